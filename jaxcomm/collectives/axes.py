@@ -1,0 +1,50 @@
+"""Checks that collectives run inside ``jax.shard_map`` over the axes they name."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+
+CALL_HINT = (
+    "Call it inside jax.shard_map over a mesh with these axes, e.g. "
+    "jax.shard_map(step, mesh=jaxcomm.make_mesh(hosts=2, local=4), in_specs=..., out_specs=...).")
+
+
+def require_axes(axes: Sequence[str], caller: str) -> None:
+  """Raises ``ValueError`` naming every axis in ``axes`` that is not a manual axis here."""
+  manual = tuple(jax.sharding.get_abstract_mesh().manual_axes)
+  missing = [axis for axis in axes if axis not in manual]
+  if missing:
+    where = (f"the enclosing shard_map has axes {manual}" if manual
+             else "it was called outside jax.shard_map")
+    raise ValueError(f"{caller}: mesh axis {missing[0]!r} is not available ({where}). "
+                     + CALL_HINT)
+
+
+def vma_checked(axes: Sequence[str]) -> bool:
+  """Whether the enclosing shard_map tracks varying axes (``check_vma=True``)."""
+  probe = jax.lax.pcast(jnp.zeros((), jnp.float32), tuple(axes), to="varying")
+  return bool(jax.typeof(probe).mat.varying)
+
+
+def require_varying(tree, axes: Sequence[str], caller: str) -> None:
+  """Raises if a leaf of ``tree`` is invariant over one of ``axes`` (already reduced).
+
+  Inside ``shard_map`` with ``check_vma=True``, ``jax.grad`` with respect to a replicated
+  (``P()``) argument inserts a full-precision ``psum`` of the gradient over every mesh axis.
+  Such gradients are already summed: compressing them again saves nothing and would scale
+  them by the device count.
+  """
+  if not vma_checked(axes):
+    return
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    invariant = [axis for axis in axes if axis not in jax.typeof(leaf).mat.varying]
+    if invariant:
+      raise ValueError(
+          f"{caller}: gradient leaf {jax.tree_util.keystr(path) or '<root>'} is not varying "
+          f"over mesh axis {invariant[0]!r}: it was already reduced over it, which is what "
+          "jax.grad does to gradients of replicated parameters inside shard_map. Take "
+          "per-device gradients with jaxcomm.local_grad(loss_fn)(params, batch) (or "
+          f"differentiate jax.lax.pcast(params, {tuple(axes)!r}, to='varying')).")

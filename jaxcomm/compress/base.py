@@ -1,0 +1,108 @@
+"""The compressor contract: an immutable value of pure functions plus static facts.
+
+A :class:`Compressor` works on one array. ``encode`` turns it into a *payload*, a pytree of
+arrays that is exactly what crosses the wire (``sum(leaf.nbytes)`` is the bytes sent), and
+``decode`` turns a payload back into a float32 array of the original shape. Any state a
+compressor needs between calls (residuals, warm-start factors) is an explicit pytree made by
+``init`` and threaded through ``encode``; randomness comes from an explicit PRNG key.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Shape = tuple[int, ...]
+Payload = Any
+CompressorState = Any
+
+FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+InitFn = Callable[[Shape, Any], CompressorState]
+EncodeFn = Callable[[jax.Array, CompressorState, jax.Array], tuple[Payload, CompressorState]]
+DecodeFn = Callable[[Payload, Shape], jax.Array]
+WireBytesFn = Callable[[Shape, Any], int]
+
+
+class Compressor(NamedTuple):
+  """A gradient compressor: pure functions plus the static facts collectives need.
+
+  Attributes:
+    init: ``init(shape, dtype) -> state``; ``()`` for stateless compressors.
+    encode: ``encode(x, state, key) -> (payload, state)``. ``x`` is a float array of the
+      shape given to ``init``; ``key`` is a PRNG key (ignored by deterministic compressors).
+    decode: ``decode(payload, shape) -> jax.Array`` of dtype float32 and that shape.
+    wire_bytes: ``wire_bytes(shape, dtype) -> int``, the payload's bytes from the closed-form
+      formula in the compressor's docstring (tests check it against the real payload).
+    linear: whether payloads may be summed before decoding
+      (``decode(p1 + p2) == decode(p1) + decode(p2)``), so a ``psum`` can replace a gather.
+    unbiased: whether ``E[decode(encode(x))] == x`` over the key.
+    name: a short human-readable name, e.g. ``'topk(0.01)'``.
+  """
+  init: InitFn
+  encode: EncodeFn
+  decode: DecodeFn
+  wire_bytes: WireBytesFn
+  linear: bool
+  unbiased: bool
+  name: str
+
+
+def stateless_init(shape: Shape, dtype: Any) -> tuple[()]:
+  """The ``init`` of compressors that keep no state between calls."""
+  del shape, dtype
+  return ()
+
+
+def payload_nbytes(payload: Payload) -> int:
+  """Bytes of a payload (arrays or ``jax.ShapeDtypeStruct``): what crosses the wire."""
+  return int(sum(np.prod(leaf.shape, dtype=np.int64) * np.dtype(leaf.dtype).itemsize
+                 for leaf in jax.tree.leaves(payload)))
+
+
+def check_float_input(x: jax.Array, name: str = "x") -> None:
+  """Raises ``TypeError`` unless ``x`` is float32, bfloat16 or float16 (checked at trace time)."""
+  if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in FLOAT_DTYPES}:
+    raise TypeError(
+        f"{name} must be a float32, bfloat16 or float16 array, got dtype {x.dtype}. "
+        "Integer or boolean leaves have no gradient to compress: cast them or leave them "
+        "out of the gradient pytree.")
+
+
+def check_fraction(name: str, value: float) -> float:
+  """Validates a fraction in (0, 1] at construction time."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+    raise TypeError(f"{name} must be a float in (0, 1], got {value!r}.")
+  if not 0.0 < float(value) <= 1.0:
+    raise ValueError(f"{name} must be in (0, 1], got {value}.")
+  return float(value)
+
+
+def check_int_range(name: str, value: int, low: int, high: int | None = None) -> int:
+  """Validates an int in ``[low, high]`` (no upper bound when ``high`` is None)."""
+  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+    raise TypeError(f"{name} must be an int, got {value!r}.")
+  if value < low or (high is not None and value > high):
+    allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    raise ValueError(f"{name} must be {allowed}, got {value}.")
+  return int(value)
+
+
+def check_dtype(name: str, value: Any, allowed: tuple[Any, ...]) -> jnp.dtype:
+  """Validates a dtype argument against an allowed list."""
+  try:
+    dtype = jnp.dtype(value)
+  except TypeError as error:
+    raise TypeError(f"{name} must be a dtype, got {value!r}.") from error
+  if dtype not in {jnp.dtype(d) for d in allowed}:
+    names = ", ".join(jnp.dtype(d).name for d in allowed)
+    raise ValueError(f"{name} must be one of {names}; got {dtype.name}.")
+  return dtype
+
+
+def num_elements(shape: Shape) -> int:
+  return int(np.prod(shape, dtype=np.int64))

@@ -1,0 +1,37 @@
+"""Per-chunk scales: a flat array split into fixed-width chunks, the last one partial."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def chunk_count(size: int, chunk: int | None) -> int:
+  """Number of chunks: 1 for a whole tensor (``chunk=None``), else ``ceil(size / chunk)``."""
+  if chunk is None or size == 0:
+    return 1
+  return -(-size // chunk)
+
+
+def chunk_width(size: int, chunk: int | None) -> int:
+  return max(size, 1) if chunk is None else chunk
+
+
+def to_chunks(flat: jax.Array, chunk: int | None) -> jax.Array:
+  """Zero-pads ``flat`` (shape ``(d,)``) and reshapes it to ``(chunks, width)``."""
+  size = flat.shape[0]
+  count, width = chunk_count(size, chunk), chunk_width(size, chunk)
+  return jnp.pad(flat, (0, count * width - size)).reshape(count, width)
+
+
+def chunk_sizes(size: int, chunk: int | None) -> jax.Array:
+  """Real (unpadded) element count of each chunk, as float32 of shape ``(chunks,)``."""
+  count, width = chunk_count(size, chunk), chunk_width(size, chunk)
+  sizes = jnp.full((count,), width, jnp.float32)
+  return sizes.at[-1].set(size - width * (count - 1))
+
+
+def per_element(per_chunk: jax.Array, size: int, chunk: int | None) -> jax.Array:
+  """Broadcasts one value per chunk back to shape ``(size,)``."""
+  width = chunk_width(size, chunk)
+  return jnp.repeat(per_chunk, width, total_repeat_length=per_chunk.shape[0] * width)[:size]
