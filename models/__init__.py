@@ -1,0 +1,1 @@
+"""Models and data sets used by the tests and benchmarks."""

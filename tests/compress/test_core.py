@@ -1,0 +1,182 @@
+"""Core compressors (identity, top-k, sign, k-bit) and error feedback: exact properties."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxcomm
+from jaxcomm.compress import pack_bits, packed_nbytes, unpack_bits
+
+CORE = {
+    "identity": jaxcomm.identity(),
+    "topk": jaxcomm.topk(0.05),
+    "topk_bf16": jaxcomm.topk(k=7, value_dtype=jnp.bfloat16),
+    "sign": jaxcomm.sign(),
+    "sign_chunked": jaxcomm.sign(chunk=16),
+    "int8": jaxcomm.quantize(8),
+    "int8_nearest_chunked": jaxcomm.quantize(8, stochastic=False, chunk=32),
+}
+
+
+def _roundtrip(compressor, x, seed=0):
+  state = compressor.init(x.shape, x.dtype)
+  payload, _ = jax.jit(compressor.encode)(x, state, jax.random.PRNGKey(seed))
+  return payload, compressor.decode(payload, x.shape)
+
+
+@pytest.mark.parametrize("name", sorted(CORE))
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+@pytest.mark.parametrize("shape", [(1,), (13,), (4, 25)])
+def test_roundtrip_shape_dtype_and_wire_bytes(name, dtype, shape):
+  compressor = CORE[name]
+  x = jax.random.normal(jax.random.PRNGKey(1), shape).astype(dtype)
+  payload, decoded = _roundtrip(compressor, x)
+  chex.assert_shape(decoded, shape)
+  assert decoded.dtype == jnp.float32
+  assert jaxcomm.payload_nbytes(payload) == compressor.wire_bytes(shape, dtype)
+  assert np.all(np.isfinite(decoded))
+
+
+def test_wire_bytes_formulas():
+  shape = (1000,)
+  assert jaxcomm.identity().wire_bytes(shape, jnp.float32) == 4000
+  assert jaxcomm.topk(0.01).wire_bytes(shape, jnp.float32) == 10 * 8
+  assert jaxcomm.topk(0.01, value_dtype=jnp.bfloat16).wire_bytes(shape, jnp.float32) == 10 * 6
+  assert jaxcomm.topk(0.0001).wire_bytes(shape, jnp.float32) == 8  # k = max(1, floor(0.1))
+  assert jaxcomm.sign().wire_bytes(shape, jnp.float32) == 125 + 4
+  assert jaxcomm.sign(chunk=300).wire_bytes(shape, jnp.float32) == 125 + 4 * 4
+  assert jaxcomm.quantize(8).wire_bytes(shape, jnp.float32) == 1000 + 4
+  assert jaxcomm.quantize(3).wire_bytes(shape, jnp.float32) == 375 + 4
+
+
+def test_topk_keeps_exactly_k_largest_and_is_a_contraction():
+  x = jax.random.normal(jax.random.PRNGKey(2), (500,))
+  compressor = jaxcomm.topk(0.1)
+  payload, decoded = _roundtrip(compressor, x)
+  assert payload.indices.shape == (50,)
+  kept = np.sort(np.abs(np.asarray(x)))[-50:]
+  np.testing.assert_allclose(np.sort(np.abs(np.asarray(payload.values))), kept)
+  error = float(jnp.sum((decoded - x) ** 2))
+  assert error <= (1 - 50 / 500) * float(jnp.sum(x**2)) + 1e-6
+
+
+def test_topk_ties_go_to_the_lower_index():
+  payload, _ = _roundtrip(jaxcomm.topk(k=3), jnp.ones(10))
+  np.testing.assert_array_equal(np.sort(np.asarray(payload.indices)), [0, 1, 2])
+
+
+def test_sign_error_identity_and_zero_goes_to_plus():
+  x = jnp.array([0.0, -2.0, 1.0, 0.0, 3.0, -1.0, 0.5])
+  _, decoded = _roundtrip(jaxcomm.sign(), x)
+  scale = float(jnp.mean(jnp.abs(x)))
+  np.testing.assert_allclose(decoded, np.where(np.asarray(x) >= 0, scale, -scale), rtol=1e-6)
+  error = float(jnp.sum((decoded - x) ** 2))
+  expected = float(jnp.sum(x**2) - jnp.sum(jnp.abs(x)) ** 2 / x.size)
+  np.testing.assert_allclose(error, expected, rtol=1e-5)
+
+
+def test_all_zero_input_gives_zeros_not_nan():
+  for compressor in CORE.values():
+    _, decoded = _roundtrip(compressor, jnp.zeros(9))
+    chex.assert_trees_all_close(decoded, jnp.zeros(9))
+
+
+def test_stochastic_quantization_is_unbiased():
+  x = jax.random.normal(jax.random.PRNGKey(3), (64,))
+  compressor = jaxcomm.quantize(2)  # 3 levels: large rounding noise, so bias would show
+  encode = jax.jit(jax.vmap(lambda key: compressor.decode(
+      compressor.encode(x, (), key)[0], x.shape)))
+  samples = encode(jax.random.split(jax.random.PRNGKey(4), 20000))
+  mean = jnp.mean(samples, axis=0)
+  step = 2 * float(jnp.max(jnp.abs(x))) / 2
+  # Each element's rounding noise has standard deviation <= step / 2.
+  tolerance = 5 * (step / 2) / np.sqrt(20000)
+  chex.assert_trees_all_close(mean, x, atol=tolerance)
+  assert float(jnp.max(jnp.abs(samples[0] - x))) > 0.1  # really stochastic
+
+
+def test_nearest_quantization_error_is_at_most_half_a_step():
+  x = jax.random.normal(jax.random.PRNGKey(5), (333,))
+  _, decoded = _roundtrip(jaxcomm.quantize(8, stochastic=False), x)
+  step = 2 * float(jnp.max(jnp.abs(x))) / 254
+  assert float(jnp.max(jnp.abs(decoded - x))) <= step / 2 * (1 + 1e-4)
+
+
+@pytest.mark.parametrize("name", ["topk", "sign", "int8"])
+def test_error_feedback_identity_over_many_steps(name):
+  compressor = jaxcomm.error_feedback(CORE[name])
+  shape = (37,)
+  state = compressor.init(shape, jnp.float32)
+  encode = jax.jit(compressor.encode)
+  total_in = jnp.zeros(shape)
+  total_sent = jnp.zeros(shape)
+  for step in range(40):
+    x = jax.random.normal(jax.random.PRNGKey(step), shape)
+    old_residual = state.residual
+    payload, state = encode(x, state, jax.random.PRNGKey(100 + step))
+    sent = compressor.decode(payload, shape)
+    chex.assert_trees_all_close(sent + state.residual, x + old_residual, atol=1e-5)
+    total_in += x
+    total_sent += sent
+  chex.assert_trees_all_close(total_sent, total_in - state.residual, atol=1e-4)
+
+
+def test_error_feedback_never_stores_non_finite_values():
+  compressor = jaxcomm.error_feedback(jaxcomm.topk(0.5))
+  state = compressor.init((4,), jnp.float32)
+  _, state = compressor.encode(jnp.array([1.0, 2.0, 3.0, 4.0]), state, jax.random.PRNGKey(0))
+  before = state.residual
+  for bad in (jnp.nan, jnp.inf):
+    _, state = compressor.encode(jnp.array([1.0, bad, 3.0, 4.0]), state, jax.random.PRNGKey(0))
+    chex.assert_tree_all_finite(state.residual)
+    chex.assert_trees_all_close(state.residual, before)
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("count", [1, 7, 8, 9, 61])
+def test_bit_packing_is_exact(bits, count):
+  codes = np.random.default_rng(bits * 100 + count).integers(0, 2**bits, count).astype(np.uint8)
+  packed = pack_bits(jnp.asarray(codes), bits)
+  chex.assert_shape(packed, (packed_nbytes(count, bits),))
+  assert packed.dtype == jnp.uint8
+  np.testing.assert_array_equal(unpack_bits(packed, bits, count), codes)
+
+
+def test_sign_packs_eight_signs_per_byte_little_endian():
+  payload, _ = _roundtrip(jaxcomm.sign(), jnp.array([1.0, -1, -1, -1, -1, -1, -1, 1, 1]))
+  np.testing.assert_array_equal(payload.bits, [0b10000001, 0b00000001])
+
+
+def test_compressors_work_under_vmap():
+  x = jax.random.normal(jax.random.PRNGKey(6), (3, 40))
+  for compressor in CORE.values():
+    payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None))(
+        x, compressor.init((40,), jnp.float32), jax.random.PRNGKey(0))
+    decoded = jax.vmap(lambda p: compressor.decode(p, (40,)))(payloads)
+    chex.assert_shape(decoded, (3, 40))
+
+
+@pytest.mark.parametrize("factory, match", [
+    (lambda: jaxcomm.topk(0.0), "fraction"),
+    (lambda: jaxcomm.topk(-0.5), "fraction"),
+    (lambda: jaxcomm.topk(1.5), "fraction"),
+    (lambda: jaxcomm.topk(), "exactly one"),
+    (lambda: jaxcomm.topk(k=0), "k must be"),
+    (lambda: jaxcomm.topk(0.1, value_dtype=jnp.int8), "value_dtype"),
+    (lambda: jaxcomm.quantize(0), "bits"),
+    (lambda: jaxcomm.quantize(9), "bits"),
+    (lambda: jaxcomm.quantize(8, chunk=0), "chunk"),
+    (lambda: jaxcomm.sign(chunk=-1), "chunk"),
+    (lambda: jaxcomm.error_feedback("topk"), "compressor"),
+])
+def test_bad_configuration_raises_at_construction(factory, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    factory()
+
+
+def test_integer_gradients_are_rejected():
+  compressor = jaxcomm.error_feedback(jaxcomm.topk(0.5))
+  with pytest.raises(TypeError, match="x must be a float32"):
+    compressor.encode(jnp.arange(4), compressor.init((4,), jnp.int32), jax.random.PRNGKey(0))

@@ -1,0 +1,97 @@
+"""Bytes on the wire from compiled HLO, against the closed-form formulas."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import accounting
+
+AXES = ("host", "local")
+
+
+def _step(mesh, compressor, params):
+  tx = jaxcomm.compressed_allreduce(compressor)
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
+  def step(grads, opt_state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
+
+  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
+  return accounting.measure(step, grads, state, mesh=mesh)
+
+
+@pytest.mark.parametrize("hosts, local", [(2, 4), (4, 2)])
+def test_topk_inter_host_bytes_equal_the_payload_formula(hosts, local):
+  mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+  params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(40)}
+  report = _step(mesh, jaxcomm.topk(0.01), params)
+  k_w = int(0.01 * (12000 // local))
+  k_b = max(1, int(0.01 * (40 // local)))
+  assert report.link_bytes()["host"] == (hosts - 1) * 8 * (k_w + k_b)
+  assert report.bytes_per_axes()[("host",)] == (hosts - 1) * 8 * (k_w + k_b)
+
+
+def test_dense_intra_host_bytes_follow_the_ring_formula():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params = {"w": jnp.zeros((256, 64))}
+  report = _step(mesh, jaxcomm.sign(), params)
+  data_bytes = 256 * 64 * 4
+  # reduce-scatter + all-gather over the fast axis = ring all-reduce.
+  assert report.link_bytes()["local"] == pytest.approx(2 * 3 / 4 * data_bytes)
+  assert report.count("reduce-scatter") == 1
+  sign_payload = -(-(256 * 64 // 4) // 8) + 4
+  assert report.link_bytes()["host"] == pytest.approx((2 - 1) * sign_payload)
+
+
+def test_every_collective_kind_and_group_format():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES),
+                     check_vma=False)
+  def program(x):
+    total = jax.lax.psum(x, AXES)
+    swapped = jax.lax.all_to_all(x.reshape(4, -1), "local", 0, 0, tiled=True).reshape(-1)
+    shifted = jax.lax.ppermute(x, "host", [(0, 1), (1, 0)])
+    gathered = jax.lax.all_gather(x.astype(jnp.uint8), "local", tiled=True)
+    return total + swapped + shifted + gathered[:16]
+
+  report = accounting.measure(program, jnp.ones(8 * 16), mesh=mesh)
+  by_kind = {op.kind: op for op in report.collectives}
+  assert by_kind["all-reduce"].axes == AXES
+  assert by_kind["all-reduce"].bytes_per_device == pytest.approx(2 * 7 / 8 * 64)
+  assert by_kind["all-to-all"].axes == ("local",)
+  assert by_kind["all-to-all"].bytes_per_device == pytest.approx(3 / 4 * 64)
+  assert by_kind["collective-permute"].axes == ("host",)
+  assert by_kind["collective-permute"].bytes_per_device == 64
+  assert by_kind["all-gather"].dtypes == ("u8",)
+  assert by_kind["all-gather"].bytes_per_device == pytest.approx(3 / 4 * 64)
+  assert report.link_bytes() == pytest.approx({"host": 2 * 7 / 8 * 64 + 64, "local": 96})
+
+
+def test_iota_replica_groups_map_to_axes():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  line = ("%ar = f32[16]{0} all-reduce(%p), channel_id=1, replica_groups=[4,2]<=[2,4]T(1,0), "
+          "use_global_device_ids=true, to_apply=%add")
+  (op,) = accounting.report_from_hlo(line, mesh).collectives
+  assert op.axes == ("host",)
+  assert op.group_size == 2
+  line = line.replace("[4,2]<=[2,4]T(1,0)", "[2,4]<=[8]")
+  (op,) = accounting.report_from_hlo(line, mesh).collectives
+  assert op.axes == ("local",)
+
+
+def test_groups_that_match_no_axes_are_an_error():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  line = ("%ar = f32[4]{0} all-reduce(%p), replica_groups={{0,5},{1,4},{2,7},{3,6}}, "
+          "to_apply=%add")
+  with pytest.raises(ValueError, match="do not match"):
+    accounting.report_from_hlo(line, mesh)
