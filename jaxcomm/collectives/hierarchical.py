@@ -81,5 +81,5 @@ def hierarchical_allreduce(
     gathered = jax.lax.all_gather(payload, slow_axis, to="invarying")
     decoded = jax.vmap(lambda p: compressor.decode(p, (shard_len,)))(gathered)
     reduced = jnp.sum(decoded, axis=0)
-  full = jax.lax.all_gather(reduced, fast_axis, tiled=True, to="invarying")
-  return full[:size].reshape(x.shape).astype(x.dtype), state
+  full = jax.lax.all_gather(reduced.astype(x.dtype), fast_axis, tiled=True, to="invarying")
+  return full[:size].reshape(x.shape), state
