@@ -260,3 +260,153 @@ def step_time(compute_seconds: float, report: CommReport, links: Mapping[str, Li
     raise ValueError(f"overlap must be a fraction in [0, 1], got {overlap!r}.")
   comm = predict(report, links).total
   return compute_seconds + comm - min(overlap * comm, compute_seconds)
+
+
+class TransformerConfig(NamedTuple):
+  """A decoder-only (LLaMA-style) transformer's sizes: all its gradient shapes follow.
+
+  Attributes:
+    layers: transformer blocks.
+    d_model: hidden width.
+    ffn: width of the gated (SwiGLU) MLP.
+    vocab: vocabulary size; the output head is not tied to the embedding.
+    heads: attention heads.
+    kv_heads: key/value heads (``heads`` without grouped-query attention).
+  """
+  layers: int
+  d_model: int
+  ffn: int
+  vocab: int
+  heads: int
+  kv_heads: int
+
+
+TRANSFORMERS: dict[str, TransformerConfig] = {
+    # Touvron et al. 2023, "LLaMA" Table 2 and "Llama 2" (70B uses 8 key/value heads).
+    "llama-7b": TransformerConfig(32, 4096, 11008, 32000, 32, 32),
+    "llama-13b": TransformerConfig(40, 5120, 13824, 32000, 40, 40),
+    "llama2-70b": TransformerConfig(80, 8192, 28672, 32000, 64, 8),
+}
+
+
+def transformer_gradient_shapes(model: str | TransformerConfig) -> dict[str, Shape]:
+  """Gradient leaf shapes of a LLaMA-style transformer, from its config alone (no weights).
+
+  Per block: ``wq``, ``wo`` ``(d, d)``; ``wk``, ``wv`` ``(d, d kv_heads / heads)``; ``w1``,
+  ``w3`` ``(d, ffn)``; ``w2`` ``(ffn, d)``; two RMSNorm scales ``(d,)``. Plus the embedding
+  ``(vocab, d)``, a final norm ``(d,)`` and the output head ``(d, vocab)``. ``'llama-7b'``
+  has 6,738,415,616 parameters in 291 leaves.
+
+  Args:
+    model: a name from :data:`TRANSFORMERS` or a :class:`TransformerConfig`.
+
+  Returns:
+    ``{leaf name: shape}`` in parameter order.
+  """
+  if isinstance(model, str):
+    if model not in TRANSFORMERS:
+      raise ValueError(f"unknown model {model!r}; known models: {', '.join(TRANSFORMERS)}.")
+    model = TRANSFORMERS[model]
+  d, kv = model.d_model, model.d_model * model.kv_heads // model.heads
+  block = {"attention.wq": (d, d), "attention.wk": (d, kv), "attention.wv": (d, kv),
+           "attention.wo": (d, d), "mlp.w1": (d, model.ffn), "mlp.w3": (d, model.ffn),
+           "mlp.w2": (model.ffn, d), "attention_norm": (d,), "mlp_norm": (d,)}
+  shapes = {"embedding": (model.vocab, d)}
+  for layer in range(model.layers):
+    shapes |= {f"layers.{layer}.{name}": shape for name, shape in block.items()}
+  return shapes | {"final_norm": (d,), "output": (d, model.vocab)}
+
+
+class Projection(NamedTuple):
+  """Modeled communication of one hierarchical allreduce of a whole model, per device.
+
+  Attributes:
+    fast_bytes: bytes each device sends over the fast (intra-host) link per step.
+    slow_bytes: bytes each device sends over the slow (inter-host) link per step.
+    fast_steps: message steps on the fast link; each pays its latency.
+    slow_steps: message steps on the slow link.
+    fast_seconds: modeled seconds on the fast link.
+    slow_seconds: modeled seconds on the slow link.
+  """
+  fast_bytes: float
+  slow_bytes: float
+  fast_steps: int
+  slow_steps: int
+  fast_seconds: float
+  slow_seconds: float
+
+  @property
+  def total_seconds(self) -> float:
+    """Fast plus slow seconds: the phases of the scheme run one after another."""
+    return self.fast_seconds + self.slow_seconds
+
+
+WireBytesFn = Callable[[Shape, Any], int]
+
+
+def _slow_cost(shard_len: int, hosts: int, itemsize: int, wire_bytes: WireBytesFn | None,
+               strategy: str, dtype: np.dtype) -> _Cost:
+  if wire_bytes is None:
+    return _ring(2, shard_len * itemsize, hosts)
+  if strategy == "gather":
+    return _ring(1, hosts * wire_bytes((shard_len,), dtype), hosts)
+  chunk_bytes = wire_bytes((-(-shard_len // hosts),), dtype)
+  return _ring(1, hosts * chunk_bytes, hosts) + _ring(1, hosts * chunk_bytes, hosts)
+
+
+def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike,
+            slow_link: LinkLike, wire_bytes: WireBytesFn | None = None, *,
+            strategy: str = "gather", dtype: Any = np.float32) -> Projection:
+  """Models one step of the hierarchical allreduce of a model's gradients, without compiling.
+
+  For each gradient leaf of ``d`` elements, on ``H = hosts`` hosts of ``G = local`` devices,
+  with ``s = ceil(d/G)`` elements per shard of ``b`` bytes each (``dtype``):
+
+  * fast link: reduce-scatter and all-gather of the ``G s b`` padded leaf, each
+    ``(G-1) alpha_f + (G-1) s b beta_f``;
+  * slow link, by ``wire_bytes`` and ``strategy``:
+
+    - ``wire_bytes=None`` (full precision): all-reduce of the shard,
+      ``2(H-1) alpha_s + 2(H-1)/H s b beta_s``;
+    - ``'gather'``: all-gather of each device's ``c = wire_bytes((s,))`` payload,
+      ``(H-1) alpha_s + (H-1) c beta_s`` (what :func:`jaxcomm.hierarchical_allreduce` runs);
+    - ``'two-phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
+      ``c_H = wire_bytes((ceil(s/H),))`` bytes each; all-to-all then all-gather of the
+      re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
+
+  Every device of a host works its own shard at once, each on its own slow link: give
+  ``slow_link.shared_by(G)`` when a host's devices share one NIC. One collective per leaf
+  and phase (no bucketing), so small leaves pay the ``alpha`` terms in full.
+
+  Args:
+    shapes: gradient leaf shapes, e.g. ``transformer_gradient_shapes('llama-7b').values()``.
+    hosts: ``H``, devices on the slow axis.
+    local: ``G``, devices per host on the fast axis.
+    fast_link: the fast axis's link (a :class:`~jaxcomm.links.Link` or a preset name).
+    slow_link: the slow axis's link.
+    wire_bytes: payload bytes of the slow-axis compressor, ``wire_bytes(shape, dtype)``, e.g.
+      ``jaxcomm.topk(0.01).wire_bytes``; ``None`` for full precision.
+    strategy: ``'gather'`` or ``'two-phase'``: how compressed payloads cross the slow axis
+      (full precision always uses the all-reduce).
+    dtype: gradient dtype; sets ``b`` for the full-precision phases.
+
+  Returns:
+    A :class:`Projection`.
+
+  Example:
+    >>> shapes = transformer_gradient_shapes('llama-7b').values()
+    >>> project(shapes, 8, 8, 'nvlink4', '100gbe', jaxcomm.topk(0.01).wire_bytes)  # doctest: +SKIP
+  """
+  hosts, local = _check_devices("hosts", hosts), _check_devices("local", local)
+  fast_link, slow_link = _as_link(fast_link), _as_link(slow_link)
+  if strategy not in STRATEGIES:
+    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}.")
+  dtype = np.dtype(dtype)
+  fast, slow = _Cost(0, 0.0), _Cost(0, 0.0)
+  for shape in shapes:
+    shard_len = -(-math.prod(shape) // local)
+    padded_bytes = local * shard_len * dtype.itemsize
+    fast = fast + _ring(1, padded_bytes, local) + _ring(1, padded_bytes, local)
+    slow = slow + _slow_cost(shard_len, hosts, dtype.itemsize, wire_bytes, strategy, dtype)
+  return Projection(fast.nbytes, slow.nbytes, fast.steps, slow.steps, fast.seconds(fast_link),
+                    slow.seconds(slow_link))

@@ -4,6 +4,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -180,3 +181,84 @@ def test_multi_axis_collective_waits_for_the_slower_step():
   links = {"host": Link("h", 4.0, 0.0), "local": Link("l", 8.0, 100.0)}
   times = costmodel.predict(CommReport((op,), AXES), links)
   assert times.per_axis == {"host": 0.0, "local": 2 * 7 * 100.0 + 448 / 8}
+
+
+def _two_bytes_per_element(shape, dtype):
+  del dtype
+  return 2 * shape[0]
+
+
+@pytest.mark.parametrize("wire_bytes, strategy, slow_steps, slow_bytes, slow_seconds", [
+    # Leaves of 10 and 3 elements on 2 hosts x 4 devices: shards of 3 and 1 elements.
+    # Full precision: all-reduce of 12 + 4 bytes over 2 hosts: 2 + 2 steps, 12/2*2 + 4/2*2.
+    (None, "gather", 4, 16.0, 4 * 1.0 + 16 / 4),
+    # Gather of payloads of 6 and 2 bytes: 1 step each, (H-1) c = 6 + 2 bytes.
+    (_two_bytes_per_element, "gather", 2, 8.0, 2 * 1.0 + 8 / 4),
+    # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); all-to-all + gather.
+    (_two_bytes_per_element, "two-phase", 4, 12.0, 4 * 1.0 + 12 / 4),
+])
+def test_project_on_hand_computed_cases(wire_bytes, strategy, slow_steps, slow_bytes,
+                                        slow_seconds):
+  got = costmodel.project([(10,), (3,)], 2, 4, FAST, SLOW, wire_bytes, strategy=strategy)
+  # Fast: reduce-scatter + all-gather of the padded 48- and 16-byte leaves over 4 devices.
+  assert got.fast_steps == 4 * 3 and got.fast_bytes == 2 * (3 / 4 * 48 + 3 / 4 * 16) == 96.0
+  assert got.fast_seconds == 12 * 0.125 + 96 / 64 == 3.0
+  assert (got.slow_steps, got.slow_bytes, got.slow_seconds) == (slow_steps, slow_bytes,
+                                                                slow_seconds)
+  assert got.total_seconds == 3.0 + slow_seconds
+
+
+def test_project_one_host_sends_nothing_between_hosts():
+  got = costmodel.project([(1000,)], 1, 8, "nvlink4", "1gbe", jaxcomm.sign().wire_bytes)
+  assert (got.slow_bytes, got.slow_seconds) == (0.0, 0.0)
+
+
+@pytest.mark.parametrize("compressor", [jaxcomm.topk(0.01), jaxcomm.sign()],
+                         ids=["topk", "sign"])
+def test_project_bytes_match_a_compiled_hierarchical_step(compressor):
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(41)}
+  tx = jaxcomm.compressed_allreduce(compressor)
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
+                     out_specs=(P(), specs))
+  def step(grads, opt_state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
+
+  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
+  measured = accounting.measure(step, grads, state, mesh=mesh).link_bytes()
+  projected = costmodel.project([p.shape for p in params.values()], 2, 4, FAST, SLOW,
+                                compressor.wire_bytes)
+  assert (projected.slow_bytes, projected.fast_bytes) == (measured["host"], measured["local"])
+
+
+@pytest.mark.parametrize("name, leaves, parameters", [
+    ("llama-7b", 32 * 9 + 3, 6_738_415_616),
+    ("llama-13b", 40 * 9 + 3, 13_015_864_320),
+    ("llama2-70b", 80 * 9 + 3, 68_976_648_192),
+])
+def test_transformer_shapes_give_the_published_parameter_counts(name, leaves, parameters):
+  shapes = costmodel.transformer_gradient_shapes(name)
+  assert len(shapes) == leaves
+  assert sum(np.prod(shape, dtype=np.int64) for shape in shapes.values()) == parameters
+
+
+def test_grouped_query_attention_shrinks_key_and_value():
+  shapes = costmodel.transformer_gradient_shapes("llama2-70b")
+  assert shapes["layers.0.attention.wk"] == (8192, 1024)
+  assert shapes["layers.79.mlp.w2"] == (28672, 8192)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: costmodel.project([(8,)], 2, 4, FAST, SLOW, strategy="ring"),
+     "unknown strategy 'ring'; choose from gather, two-phase"),
+    (lambda: costmodel.project([(8,)], 0, 4, FAST, SLOW), "hosts must be an int >= 1, got 0"),
+    (lambda: costmodel.project([(8,)], 2, 4, "nvlink5", SLOW), "unknown link 'nvlink5'"),
+    (lambda: costmodel.transformer_gradient_shapes("gpt-5"),
+     "unknown model 'gpt-5'; known models: llama-7b, llama-13b, llama2-70b"),
+])
+def test_project_bad_input_errors(call, message):
+  with pytest.raises(ValueError, match=message):
+    call()
