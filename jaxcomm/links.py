@@ -101,10 +101,12 @@ class Link(_LinkFields):
 
     Returns:
       A :class:`Link` named ``'<name>/<devices>'`` with ``1/devices`` of the bandwidth and
-      the same latency.
+      the same latency; this link itself when ``devices`` is 1.
     """
     if isinstance(devices, bool) or not isinstance(devices, numbers.Integral) or devices < 1:
       raise ValueError(f"shared_by: devices must be an int >= 1, got {devices!r}.")
+    if devices == 1:
+      return self
     return Link(f"{self.name}/{devices}", self.bandwidth_bytes_per_s / devices, self.latency_s)
 
 

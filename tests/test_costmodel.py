@@ -262,3 +262,16 @@ def test_grouped_query_attention_shrinks_key_and_value():
 def test_project_bad_input_errors(call, message):
   with pytest.raises(ValueError, match=message):
     call()
+
+
+def test_projection_script_prints_one_table_per_slow_link(capsys):
+  from benchmarks import costmodel_projection
+  assert costmodel_projection.main(["--slow", "100gbe,1gbe", "--hosts", "4"]) == 0
+  out = capsys.readouterr().out
+  assert out.count("llama-7b on 4 hosts x 8 devices") == 2
+  shapes = costmodel.transformer_gradient_shapes("llama-7b").values()
+  sign = costmodel.project(shapes, 4, 8, "nvlink4", "1gbe", jaxcomm.sign().wire_bytes,
+                           strategy="two-phase")
+  assert f"{sign.total_seconds:>9.3f}" in out.split("\n\n")[1].split("sign two-phase")[1]
+  for label in ("fp32 flat ring", "fp32-hier", "top-1% gather", "int8 two-phase"):
+    assert out.count(f"\n{label} ") == 2

@@ -72,5 +72,6 @@ def test_replace_is_validated():
 def test_shared_by_splits_the_bandwidth():
   shared = links.ETHERNET_1G.shared_by(8)
   assert shared == Link("1gbe/8", 0.125e9 / 8, 50e-6)
+  assert links.ETHERNET_1G.shared_by(1) is links.ETHERNET_1G
   with pytest.raises(ValueError, match="devices must be an int >= 1, got 0"):
     links.ETHERNET_1G.shared_by(0)
