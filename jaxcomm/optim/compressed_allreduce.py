@@ -109,6 +109,8 @@ def compressed_allreduce(
   def update(grads, state: CompressedAllReduceState, params=None):
     del params
     require_axes(axes, "compressed_allreduce.update")
+    for path, grad in jax.tree_util.tree_leaves_with_path(grads):
+      check_float_input(grad, f"grads{jax.tree_util.keystr(path)}")
     require_varying(grads, axes, "compressed_allreduce.update")
     key, step_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(grads)

@@ -122,6 +122,14 @@ def test_bad_arguments_raise_at_construction(kwargs, match):
     jaxcomm.compressed_allreduce(**kwargs)
 
 
+def test_integer_gradients_are_rejected_with_their_path():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
+  run = _update_in(mesh, tx, pre=lambda g: {"w": g[0].astype(jnp.int32)})
+  with pytest.raises(TypeError, match=r"grads\['w'\] must be a float32, bfloat16 or float16"):
+    run(jnp.zeros((64, 4)))
+
+
 def test_integer_parameters_are_rejected():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
