@@ -77,9 +77,10 @@ def back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
 def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
   """Gram-Schmidt on the columns of ``p`` (shape ``(m, r)``), dividing by ``norm + epsilon``.
 
-  The epsilon keeps a rank-deficient ``p`` (a zero or dependent column) finite: such a column
-  stays near zero instead of becoming NaN. Every column has norm at most 1, so ``p p^T`` is a
-  contraction and ``||M - p p^T M|| <= ||M||``.
+  The epsilon keeps a rank-deficient ``p`` finite: a zero column stays zero instead of
+  becoming NaN (a dependent column keeps only rounding noise, scaled to norm at most 1). Every
+  column has norm at most 1 and the columns are orthogonal, so ``p p^T`` is a contraction and
+  ``||M - p p^T M|| <= ||M||``.
   """
   columns = []
   for index in range(p.shape[1]):
