@@ -8,12 +8,14 @@ from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.identity import identity
 from jaxcomm.compress.natural import NaturalPayload, natural
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from jaxcomm.compress.policy import CompressionPolicy, Rule, policy
 from jaxcomm.compress.powersgd import (PowerSGDPayload, PowerSGDState, back_project,
                                        orthogonalize, powersgd, project)
 from jaxcomm.compress.qsgd import QSGDPayload, qsgd
 from jaxcomm.compress.quantize import QuantizedPayload, quantize
 from jaxcomm.compress.randomk import (RandomKPayload, RandomKState, SharedRandomKPayload,
                                       randomk)
+from jaxcomm.compress.selective import GradientStatistics, SelectiveCompression, selective
 from jaxcomm.compress.sign import SignPayload, VotePayload, majority_vote, sign, sign_vote
 from jaxcomm.compress.sketch import CountSketchPayload, count_sketch
 from jaxcomm.compress.terngrad import TernGradPayload, terngrad
@@ -21,13 +23,14 @@ from jaxcomm.compress.threshold import ThresholdPayload, adaptive_threshold, thr
 from jaxcomm.compress.topk import ChunkedTopKPayload, TopKPayload, topk
 
 __all__ = [
-    "ChunkedTopKPayload", "ComposedState", "Compressor", "CountSketchPayload",
-    "ErrorFeedbackState", "NaturalPayload", "PowerSGDPayload", "PowerSGDState", "QSGDPayload",
-    "QuantizedPayload", "RandomKPayload", "RandomKState", "ScaledCastPayload",
-    "SharedRandomKPayload", "SignPayload", "TernGradPayload", "ThresholdPayload", "TopKPayload",
-    "VotePayload", "adaptive_threshold", "back_project", "cast", "compose", "count_sketch",
-    "error_feedback", "identity", "majority_vote", "natural", "orthogonalize", "pack_bits",
-    "packed_nbytes", "payload_nbytes", "powersgd", "project", "psum_payload", "qsgd",
-    "quantize", "randomk", "replicated_fields", "sign", "sign_vote", "sum_payloads", "terngrad",
-    "threshold", "topk", "unpack_bits",
+    "ChunkedTopKPayload", "ComposedState", "CompressionPolicy", "Compressor",
+    "CountSketchPayload", "ErrorFeedbackState", "GradientStatistics", "NaturalPayload",
+    "PowerSGDPayload", "PowerSGDState", "QSGDPayload", "QuantizedPayload", "RandomKPayload",
+    "RandomKState", "Rule", "ScaledCastPayload", "SelectiveCompression", "SharedRandomKPayload",
+    "SignPayload", "TernGradPayload", "ThresholdPayload", "TopKPayload", "VotePayload",
+    "adaptive_threshold", "back_project", "cast", "compose", "count_sketch", "error_feedback",
+    "identity", "majority_vote", "natural", "orthogonalize", "pack_bits", "packed_nbytes",
+    "payload_nbytes", "policy", "powersgd", "project", "psum_payload", "qsgd", "quantize",
+    "randomk", "replicated_fields", "selective", "sign", "sign_vote", "sum_payloads",
+    "terngrad", "threshold", "topk", "unpack_bits",
 ]
