@@ -1,15 +1,36 @@
 """Pure gradient compressors: encode/decode, packed wire formats, error feedback."""
 
-from jaxcomm.compress.base import Compressor, payload_nbytes
+from jaxcomm.compress.base import (Compressor, payload_nbytes, psum_payload, replicated_fields,
+                                   sum_payloads)
+from jaxcomm.compress.cast import ScaledCastPayload, cast
+from jaxcomm.compress.compose import ComposedState, compose
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.identity import identity
+from jaxcomm.compress.natural import NaturalPayload, natural
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from jaxcomm.compress.policy import CompressionPolicy, Rule, policy
+from jaxcomm.compress.powersgd import (PowerSGDPayload, PowerSGDState, back_project,
+                                       orthogonalize, powersgd, project)
+from jaxcomm.compress.qsgd import QSGDPayload, qsgd
 from jaxcomm.compress.quantize import QuantizedPayload, quantize
-from jaxcomm.compress.sign import SignPayload, sign
-from jaxcomm.compress.topk import TopKPayload, topk
+from jaxcomm.compress.randomk import (RandomKPayload, RandomKState, SharedRandomKPayload,
+                                      randomk)
+from jaxcomm.compress.selective import GradientStatistics, SelectiveCompression, selective
+from jaxcomm.compress.sign import SignPayload, VotePayload, majority_vote, sign, sign_vote
+from jaxcomm.compress.sketch import CountSketchPayload, count_sketch
+from jaxcomm.compress.terngrad import TernGradPayload, terngrad
+from jaxcomm.compress.threshold import ThresholdPayload, adaptive_threshold, threshold
+from jaxcomm.compress.topk import ChunkedTopKPayload, TopKPayload, topk
 
 __all__ = [
-    "Compressor", "ErrorFeedbackState", "QuantizedPayload", "SignPayload", "TopKPayload",
-    "error_feedback", "identity", "pack_bits", "packed_nbytes", "payload_nbytes", "quantize",
-    "sign", "topk", "unpack_bits",
+    "ChunkedTopKPayload", "ComposedState", "CompressionPolicy", "Compressor",
+    "CountSketchPayload", "ErrorFeedbackState", "GradientStatistics", "NaturalPayload",
+    "PowerSGDPayload", "PowerSGDState", "QSGDPayload", "QuantizedPayload", "RandomKPayload",
+    "RandomKState", "Rule", "ScaledCastPayload", "SelectiveCompression", "SharedRandomKPayload",
+    "SignPayload", "TernGradPayload", "ThresholdPayload", "TopKPayload", "VotePayload",
+    "adaptive_threshold", "back_project", "cast", "compose", "count_sketch", "error_feedback",
+    "identity", "majority_vote", "natural", "orthogonalize", "pack_bits", "packed_nbytes",
+    "payload_nbytes", "policy", "powersgd", "project", "psum_payload", "qsgd", "quantize",
+    "randomk", "replicated_fields", "selective", "sign", "sign_vote", "sum_payloads",
+    "terngrad", "threshold", "topk", "unpack_bits",
 ]

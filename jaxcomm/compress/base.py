@@ -38,8 +38,10 @@ class Compressor(NamedTuple):
     decode: ``decode(payload, shape) -> jax.Array`` of dtype float32 and that shape.
     wire_bytes: ``wire_bytes(shape, dtype) -> int``, the payload's bytes from the closed-form
       formula in the compressor's docstring (tests check it against the real payload).
-    linear: whether payloads may be summed before decoding
-      (``decode(p1 + p2) == decode(p1) + decode(p2)``), so a ``psum`` can replace a gather.
+    linear: whether payloads may be summed before decoding: with the same state and key,
+      ``encode(x1) + encode(x2) == encode(x1 + x2)`` leaf by leaf (see :func:`sum_payloads`),
+      so a ``psum`` of payloads is the payload of the sum and can replace a gather. Where the
+      decoder is itself linear, ``decode(p1 + p2) == decode(p1) + decode(p2)`` too.
     unbiased: whether ``E[decode(encode(x))] == x`` over the key.
     name: a short human-readable name, e.g. ``'topk(0.01)'``.
   """
@@ -62,6 +64,55 @@ def payload_nbytes(payload: Payload) -> int:
   """Bytes of a payload (arrays or ``jax.ShapeDtypeStruct``): what crosses the wire."""
   return int(sum(np.prod(leaf.shape, dtype=np.int64) * np.dtype(leaf.dtype).itemsize
                  for leaf in jax.tree.leaves(payload)))
+
+
+def replicated_fields(payload: Payload) -> tuple[str, ...]:
+  """Fields of a payload that are identical on every device and must not be summed.
+
+  A payload class lists them in a class attribute ``REPLICATED`` (e.g. the shared PRNG key
+  of shared random-k, from which the receiver regenerates the indices).
+  """
+  return tuple(getattr(type(payload), "REPLICATED", ()))
+
+
+def _widen(leaf: jax.Array) -> jax.Array:
+  # int8/uint8 sums overflow after a few devices; int32 holds any realistic device count.
+  return leaf.astype(jnp.int32) if jnp.issubdtype(leaf.dtype, jnp.integer) else leaf
+
+
+def sum_payloads(payloads: Payload) -> Payload:
+  """Sums payloads stacked on a leading axis, as a ``psum`` of a linear payload would.
+
+  Integer leaves are widened to int32 first; :func:`replicated_fields` are taken from the
+  first payload instead of summed. This is the reference the linearity tests use.
+
+  Args:
+    payloads: a payload pytree whose leaves have a leading axis of size ``n`` (e.g. the output
+      of ``jax.vmap(encode)`` or of an ``all_gather``).
+
+  Returns:
+    One payload: the leaf-wise sum over the leading axis.
+  """
+  keep = replicated_fields(payloads)
+  if keep:
+    return type(payloads)(**{
+        field: leaf[0] if field in keep else jax.tree.map(lambda a: jnp.sum(_widen(a), axis=0), leaf)
+        for field, leaf in zip(payloads._fields, payloads)})
+  return jax.tree.map(lambda leaf: jnp.sum(_widen(leaf), axis=0), payloads)
+
+
+def psum_payload(payload: Payload, axis_name: str) -> Payload:
+  """``psum`` of a linear compressor's payload over a named axis (``shard_map`` or ``vmap``).
+
+  Integer leaves are widened to int32; :func:`replicated_fields` are left as they are. Only
+  meaningful when ``compressor.linear`` is true.
+  """
+  keep = replicated_fields(payload)
+  summed = lambda leaf: jax.lax.psum(_widen(leaf), axis_name)
+  if keep:
+    return type(payload)(**{field: leaf if field in keep else jax.tree.map(summed, leaf)
+                            for field, leaf in zip(payload._fields, payload)})
+  return jax.tree.map(summed, payload)
 
 
 def check_float_input(x: jax.Array, name: str = "x") -> None:
@@ -104,5 +155,28 @@ def check_dtype(name: str, value: Any, allowed: tuple[Any, ...]) -> jnp.dtype:
   return dtype
 
 
+def check_float(name: str, value: float, *, minimum: float = 0.0, inclusive: bool = False) -> float:
+  """Validates a finite float above ``minimum`` (or equal to it when ``inclusive``)."""
+  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
+    raise TypeError(f"{name} must be a float, got {value!r}.")
+  value = float(value)
+  if not np.isfinite(value) or value < minimum or (value == minimum and not inclusive):
+    bound = ">=" if inclusive else ">"
+    raise ValueError(f"{name} must be a finite float {bound} {minimum:g}, got {value}.")
+  return value
+
+
+def check_bool(name: str, value: Any) -> bool:
+  """Validates a bool flag at construction time."""
+  if not isinstance(value, bool):
+    raise TypeError(f"{name} must be a bool, got {value!r}.")
+  return value
+
+
 def num_elements(shape: Shape) -> int:
   return int(np.prod(shape, dtype=np.int64))
+
+
+def all_finite(x: jax.Array) -> jax.Array:
+  """Scalar bool: no NaN or Inf in ``x``."""
+  return jnp.all(jnp.isfinite(x))

@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, check_float_input
+from jaxcomm.compress.base import Compressor, all_finite, check_float_input
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -16,9 +16,13 @@ class ErrorFeedbackState(NamedTuple):
   Attributes:
     residual: float32, the input's shape: input mass not yet sent.
     inner: the wrapped compressor's own state.
+    finite: bool of shape ``(1,)``: whether the last input was free of NaN and Inf (``True``
+      after ``init``). Shape ``(1,)`` rather than a scalar so the state can be sharded
+      per device like the residual.
   """
   residual: jax.Array
   inner: Any
+  finite: jax.Array
 
 
 def error_feedback(compressor: Compressor) -> Compressor:
@@ -30,9 +34,12 @@ def error_feedback(compressor: Compressor) -> Compressor:
   rounding of one float32 subtraction, and over ``T`` steps
   ``sum_t decode(payload_t) == sum_t x_t - e_T``: nothing is lost, only delayed.
 
-  A non-finite input (any NaN or Inf) leaves the residual and the inner state untouched: they
-  are never overwritten with NaN or Inf. The payload then carries the non-finite values, and
-  the caller decides whether to skip the step.
+  A non-finite input (any NaN or Inf) is reported in ``state.finite`` and leaves the residual
+  and the floating-point leaves of the inner state untouched: they are never overwritten with
+  NaN or Inf. Integer leaves of the inner state (PRNG keys, counters) advance anyway, because
+  compressors with shared randomness (shared random-k) must stay in step with the other
+  devices. The payload then carries whatever the compressor made of the input, and the
+  caller decides (ideally with a max over all devices) whether to skip the step.
 
   The result is never linear, even around a linear compressor: residuals are private.
   Bytes: those of ``compressor``.
@@ -53,18 +60,26 @@ def error_feedback(compressor: Compressor) -> Compressor:
 
   def init(shape, dtype) -> ErrorFeedbackState:
     return ErrorFeedbackState(residual=jnp.zeros(shape, jnp.float32),
-                              inner=compressor.init(shape, dtype))
+                              inner=compressor.init(shape, dtype),
+                              finite=jnp.ones((1,), jnp.bool_))
 
   def encode(x: jax.Array, state: ErrorFeedbackState, key: jax.Array):
     check_float_input(x)
     corrected = x.astype(jnp.float32) + state.residual
     payload, inner = compressor.encode(corrected, state.inner, key)
-    finite = jnp.all(jnp.isfinite(x))
     unsent = corrected - compressor.decode(payload, x.shape)
-    keep_if_nonfinite = lambda new, old: jnp.where(finite, new, old)
+    # Checking the residual too catches a compressor that overflowed on finite input.
+    finite = all_finite(corrected) & all_finite(unsent)
+
+    def keep_if_nonfinite(new, old):
+      if not jnp.issubdtype(new.dtype, jnp.inexact):
+        return new
+      return jnp.where(finite, new, old)
+
     residual = keep_if_nonfinite(unsent, state.residual)
     inner = jax.tree.map(keep_if_nonfinite, inner, state.inner)
-    return payload, ErrorFeedbackState(residual=residual, inner=inner)
+    return payload, ErrorFeedbackState(residual=residual, inner=inner,
+                                       finite=jnp.reshape(finite, (1,)))
 
   return Compressor(init=init, encode=encode, decode=compressor.decode,
                     wire_bytes=compressor.wire_bytes, linear=False,

@@ -8,8 +8,9 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_dtype, check_fraction, check_int_range,
-                                   num_elements, stateless_init)
+from jaxcomm.compress import chunks
+from jaxcomm.compress.base import (Compressor, check_bool, check_dtype, check_fraction,
+                                   check_int_range, num_elements, stateless_init)
 
 VALUE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -33,8 +34,31 @@ def topk_count(shape: tuple[int, ...], fraction: float | None, k: int | None) ->
   return min(size, max(1, math.floor(fraction * size)))
 
 
+class ChunkedTopKPayload(NamedTuple):
+  """The wire format of chunked top-k: ``k_c`` values per chunk and uint16 in-chunk indices.
+
+  Attributes:
+    values: shape ``(chunks, k_c)``, the compressor's ``value_dtype``.
+    indices: uint16 of shape ``(chunks, k_c)``: positions inside each chunk of at most
+      65536 elements.
+  """
+  values: jax.Array
+  indices: jax.Array
+
+
+MAX_UINT16_CHUNK = 1 << 16
+
+
+def select_largest(magnitude: jax.Array, count: int, approximate: bool) -> jax.Array:
+  """Indices of the ``count`` largest entries on the last axis, exactly or via ``approx_max_k``."""
+  if approximate:
+    return jax.lax.approx_max_k(magnitude, count)[1]
+  return jax.lax.top_k(magnitude, count)[1]
+
+
 def topk(fraction: float | None = None, *, k: int | None = None,
-         value_dtype: Any = jnp.float32) -> Compressor:
+         value_dtype: Any = jnp.float32, approximate: bool = False,
+         chunk: int | None = None) -> Compressor:
   """Keeps the ``k`` largest-magnitude elements; all others are sent as zero.
 
   ``k = max(1, floor(fraction * d))`` for ``d`` elements (or the given ``k``, capped at ``d``),
@@ -47,13 +71,28 @@ def topk(fraction: float | None = None, *, k: int | None = None,
 
   Bytes: ``k * (itemsize(value_dtype) + 4)``; ``8 k`` for float32 values.
 
+  With ``approximate=True`` the selection uses ``jax.lax.approx_max_k`` (recall target 0.95),
+  much faster on TPU; the kept set may then miss some of the true top ``k``, so the
+  contraction holds only with the recalled elements' energy (on CPU and GPU XLA computes it
+  exactly).
+
+  With ``chunk`` (at most 65536), the flat input is split into ``ceil(d / w)`` chunks of
+  ``w = min(chunk, d)`` elements (the last one zero-padded), and each keeps its
+  ``k_c = max(1, floor(fraction * w))`` largest, indexed by uint16 inside the chunk. Bytes
+  ``ceil(d / w) * k_c * (itemsize(value_dtype) + 2)``: ``6`` per kept float32 value instead
+  of ``8``. Contraction per chunk, hence overall, with ``delta = k_c / w``; needs ``fraction``.
+
   Args:
     fraction: fraction of elements to keep, in (0, 1]. Exactly one of ``fraction`` and ``k``.
     k: number of elements to keep, >= 1.
     value_dtype: dtype of the sent values: float32, bfloat16 or float16.
+    approximate: select with ``jax.lax.approx_max_k`` instead of ``jax.lax.top_k``.
+    chunk: elements per chunk for uint16 indices, in ``[1, 65536]``; ``None`` for int32
+      indices over the whole tensor.
 
   Returns:
-    A :class:`~jaxcomm.Compressor` with :class:`TopKPayload` payloads.
+    A :class:`~jaxcomm.Compressor` with :class:`TopKPayload` payloads, or
+    :class:`ChunkedTopKPayload` with ``chunk``.
 
   References:
     Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;
@@ -66,11 +105,17 @@ def topk(fraction: float | None = None, *, k: int | None = None,
   else:
     k = check_int_range("k", k, 1)
   value_dtype = check_dtype("value_dtype", value_dtype, VALUE_DTYPES)
+  approximate = check_bool("approximate", approximate)
+  if chunk is not None:
+    chunk = check_int_range("chunk", chunk, 1, MAX_UINT16_CHUNK)
+    if fraction is None:
+      raise ValueError(f"topk with chunk={chunk} needs fraction (kept per chunk), got k={k}.")
+    return _chunked_topk(fraction, chunk, value_dtype, approximate)
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
-    _, indices = jax.lax.top_k(jnp.abs(flat), topk_count(x.shape, fraction, k))
+    indices = select_largest(jnp.abs(flat), topk_count(x.shape, fraction, k), approximate)
     return TopKPayload(flat[indices].astype(value_dtype), indices.astype(jnp.int32)), state
 
   def decode(payload: TopKPayload, shape) -> jax.Array:
@@ -82,5 +127,43 @@ def topk(fraction: float | None = None, *, k: int | None = None,
     return topk_count(tuple(shape), fraction, k) * (value_dtype.itemsize + 4)
 
   amount = f"{fraction:g}" if fraction is not None else f"k={k}"
+  suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
-                    linear=False, unbiased=False, name=f"topk({amount})")
+                    linear=False, unbiased=False, name=f"topk({amount}{suffix})")
+
+
+def _chunked_topk(fraction: float, chunk: int, value_dtype: jnp.dtype,
+                  approximate: bool) -> Compressor:
+
+  def layout(size: int) -> tuple[int, int, int]:
+    # A tensor smaller than one chunk is one chunk of its own size, not a padded 64K one.
+    width = min(chunk, max(size, 1))
+    return chunks.chunk_count(size, width), width, max(1, math.floor(fraction * width))
+
+  def encode(x: jax.Array, state, key: jax.Array):
+    del key
+    _, width, kept = layout(x.size)
+    rows = chunks.to_chunks(x.reshape(-1).astype(jnp.float32), width)
+    indices = select_largest(jnp.abs(rows), kept, approximate)
+    values = jnp.take_along_axis(rows, indices, axis=1)
+    return ChunkedTopKPayload(values.astype(value_dtype), indices.astype(jnp.uint16)), state
+
+  def decode(payload: ChunkedTopKPayload, shape) -> jax.Array:
+    size = num_elements(shape)
+    count, width, _ = layout(size)
+    flat_index = (jnp.arange(count, dtype=jnp.int32)[:, None] * width
+                  + payload.indices.astype(jnp.int32))
+    # Padding positions of the last chunk may be selected (as zeros); they fall past `size`.
+    dense = jnp.zeros(count * width, jnp.float32)
+    dense = dense.at[flat_index.reshape(-1)].set(payload.values.astype(jnp.float32).reshape(-1))
+    return dense[:size].reshape(shape)
+
+  def wire_bytes(shape, dtype) -> int:
+    del dtype
+    count, _, kept = layout(num_elements(shape))
+    return count * kept * (value_dtype.itemsize + 2)
+
+  suffix = ", approximate" if approximate else ""
+  return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
+                    linear=False, unbiased=False,
+                    name=f"topk({fraction:g}, chunk={chunk}{suffix})")

@@ -1,0 +1,125 @@
+"""PowerSGD steps and fallback, majority vote, and construction-time validation."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomm.compress import (adaptive_threshold, back_project, cast, compose, count_sketch,
+                              majority_vote, orthogonalize, powersgd, project, qsgd, quantize,
+                              randomk, sign_vote, terngrad, threshold, topk)
+from jaxcomm.compress.powersgd import from_matrix, initial_q, to_matrix
+
+
+def test_orthogonalize_gives_orthonormal_columns_and_survives_rank_deficiency():
+  p = jax.random.normal(jax.random.PRNGKey(0), (9, 3))
+  q = orthogonalize(p)
+  np.testing.assert_allclose(q.T @ q, np.eye(3), atol=1e-5)
+  deficient = orthogonalize(jnp.stack([p[:, 0], p[:, 0], jnp.zeros(9)], axis=1))
+  chex.assert_tree_all_finite(deficient)
+  np.testing.assert_allclose(deficient[:, 0], q[:, 0], atol=1e-6)
+  np.testing.assert_array_equal(deficient[:, 2], 0.0)
+  assert np.all(np.linalg.norm(deficient, axis=0) <= 1.0 + 1e-6)
+
+
+def test_conv_kernel_matrix_view_round_trips():
+  kernel = jnp.arange(3 * 3 * 4 * 8, dtype=jnp.float32).reshape(3, 3, 4, 8)
+  matrix = to_matrix(kernel)
+  chex.assert_shape(matrix, (8, 36))
+  np.testing.assert_array_equal(matrix[5], kernel[..., 5].reshape(-1))
+  np.testing.assert_array_equal(from_matrix(matrix, kernel.shape), kernel)
+
+
+def test_powersgd_recovers_rank_one_contracts_and_falls_back():
+  compressor = powersgd(1)
+  u, v = jnp.arange(1.0, 9.0), jnp.linspace(-1.0, 1.0, 12)
+  rank_one = jnp.outer(v, u)  # (rest=12, out=8): the matrix view is u v^T
+  state = compressor.init(rank_one.shape, jnp.float32)
+  payload, state = compressor.encode(rank_one, state, None)
+  assert compressor.wire_bytes(rank_one.shape, jnp.float32) == 4 * (8 + 12)
+  np.testing.assert_allclose(compressor.decode(payload, rank_one.shape), rank_one, atol=1e-4)
+  full = jax.random.normal(jax.random.PRNGKey(1), (12, 8))
+  payload, _ = compressor.encode(full, state, None)
+  error = jnp.sum(jnp.square(compressor.decode(payload, full.shape) - full))
+  assert float(error) <= float(jnp.sum(jnp.square(full))) * (1 + 1e-5)
+  small = powersgd(4, min_compression_rate=2.0)
+  assert small.init((4, 4), jnp.float32) == () and small.init((7,), jnp.float32) == ()
+  dense, _ = small.encode(full[:4, :4], (), None)
+  np.testing.assert_array_equal(small.decode(dense, (4, 4)), full[:4, :4])
+
+
+def test_powersgd_zero_gradient_keeps_the_warm_start():
+  compressor = powersgd(2)
+  state = compressor.init((20, 12), jnp.float32)
+  payload, after = compressor.encode(jnp.zeros((20, 12)), state, None)
+  chex.assert_trees_all_equal(after.q, state.q)
+  np.testing.assert_array_equal(compressor.decode(payload, (20, 12)), 0.0)
+  np.testing.assert_array_equal(state.q, initial_q(0, (20, 12), 2))
+
+
+def test_powersgd_steps_with_psum_average_over_devices():
+  u = jnp.arange(1.0, 7.0)
+  grads = jnp.stack([jnp.outer(u, jnp.linspace(0, 1, 10)), jnp.outer(u, jnp.linspace(2, 0, 10))])
+  q0 = initial_q(0, (10, 6), 1)  # the (out=6, rest=10) view of a (10, 6) tensor
+
+  def device(matrix):
+    p = orthogonalize(jax.lax.pmean(project(matrix, q0), "devices"))
+    q = jax.lax.pmean(back_project(matrix, p), "devices")
+    return p @ q.T
+
+  out = jax.vmap(device, axis_name="devices")(grads)
+  np.testing.assert_allclose(out[0], grads.mean(0), atol=1e-4)
+  np.testing.assert_allclose(out[1], out[0])
+
+
+def test_majority_vote_packs_bits_and_ties_give_zero():
+  compressor = sign_vote()
+  votes = jnp.array([[1.0, -1.0, 1.0, -2.0, 0.0],
+                     [1.0, 1.0, -1.0, -2.0, -3.0],
+                     [-1.0, 1.0, -1.0, 5.0, -1.0],
+                     [1.0, -1.0, -1.0, -1.0, 2.0]])
+  payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None))(votes, (), None)
+  assert payloads.bits.dtype == jnp.uint8 and payloads.bits.shape == (4, 1)
+  np.testing.assert_array_equal(majority_vote(payloads, (5,)), [1.0, 0.0, -1.0, -1.0, 0.0])
+  three = jax.tree.map(lambda leaf: leaf[:3], payloads)
+  np.testing.assert_array_equal(majority_vote(three, (5,)), [1.0, 1.0, -1.0, -1.0, -1.0])
+
+
+BAD_CONFIGS = [
+    (lambda: qsgd(0), ValueError, "levels"),
+    (lambda: qsgd(128), ValueError, "levels"),
+    (lambda: quantize(9), ValueError, "bits"),
+    (lambda: quantize(0), ValueError, "bits"),
+    (lambda: powersgd(0), ValueError, "rank"),
+    (lambda: powersgd(1, epsilon=-1.0), ValueError, "epsilon"),
+    (lambda: powersgd(1, min_compression_rate=0.0), ValueError, "min_compression_rate"),
+    (lambda: count_sketch(0), ValueError, "width"),
+    (lambda: count_sketch(8, 0), ValueError, "depth"),
+    (lambda: count_sketch(8, heavy=1.5), ValueError, "heavy"),
+    (lambda: randomk(0.0), ValueError, "fraction"),
+    (lambda: randomk(1.5), ValueError, "fraction"),
+    (lambda: randomk(0.1, shared=1), TypeError, "shared"),
+    (lambda: topk(0.0), ValueError, "fraction"),
+    (lambda: topk(fraction=None, k=0), ValueError, "k"),
+    (lambda: threshold(0.0), ValueError, "value"),
+    (lambda: threshold(1.0, capacity=0.0), ValueError, "capacity"),
+    (lambda: adaptive_threshold(0.5, capacity=0.1), ValueError, "capacity"),
+    (lambda: adaptive_threshold(0.1, sample=2.0), ValueError, "sample"),
+    (lambda: cast(jnp.int8), ValueError, "dtype"),
+    (lambda: cast(jnp.float16, axis_size=0), ValueError, "axis_size"),
+    (lambda: cast(jnp.float8_e4m3fn, axis_size=2, scaled=True), ValueError, "axis_size"),
+    (lambda: terngrad(scale_axis=3), TypeError, "scale_axis"),
+    (lambda: compose(topk(0.1), "int8"), TypeError, "quantizer"),
+]
+
+
+@pytest.mark.parametrize("make, error, parameter", BAD_CONFIGS)
+def test_bad_configuration_names_the_parameter(make, error, parameter):
+  with pytest.raises(error, match=parameter):
+    make()
+
+
+def test_compose_rejects_a_sparsifier_without_values():
+  with pytest.raises(TypeError, match="values"):
+    compose(qsgd(4), quantize(8)).init((8,), jnp.float32)

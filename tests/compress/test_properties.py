@@ -1,0 +1,227 @@
+"""The mathematical properties each compressor's docstring claims, checked with fixed seeds."""
+
+import functools
+import math
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
+                              natural, powersgd, psum_payload, qsgd, quantize, randomk, sign,
+                              sum_payloads, terngrad, threshold, topk)
+
+SIZE = 16
+SAMPLES = 4000
+X = jnp.asarray(np.random.default_rng(1).standard_normal(SIZE), jnp.float32).at[3].set(0.0)
+
+
+@functools.lru_cache(maxsize=None)
+def samples(compressor):
+  """``SAMPLES`` decoded outputs of ``compressor`` on ``X``, one per key (one compilation)."""
+  state = compressor.init(X.shape, X.dtype)
+
+  @jax.jit
+  def run(keys):
+    def one(key):
+      payload, _ = compressor.encode(X, state, key)
+      return compressor.decode(payload, X.shape)
+    return jax.vmap(one)(keys)
+
+  return np.asarray(run(jax.random.split(jax.random.PRNGKey(7), SAMPLES)), np.float64)
+
+
+def _l1(x):
+  return float(jnp.sum(jnp.abs(x)))
+
+
+def _sq(x):
+  return float(jnp.sum(jnp.square(x)))
+
+
+UNBIASED = {
+    # name: (compressor, variance bound as a multiple of ||x||^2)
+    "qsgd": (qsgd(4), min(SIZE / 16, math.sqrt(SIZE) / 4)),
+    "terngrad": (terngrad(), float(jnp.max(jnp.abs(X))) * _l1(X) / _sq(X) - 1.0),
+    "natural": (natural(), 1.0 / 8.0),
+    "int4": (quantize(4), SIZE * (2 * float(jnp.max(jnp.abs(X))) / 14) ** 2 / 4 / _sq(X)),
+    "randomk": (randomk(0.25, shared=False), SIZE / 4 - 1.0),
+    "randomk_shared": (randomk(0.25), SIZE / 4 - 1.0),
+    "randomk_int8": (compose(randomk(0.5, shared=False), quantize(8)), None),
+}
+
+
+@pytest.mark.parametrize("name", sorted(UNBIASED))
+def test_unbiased_with_stated_variance(name):
+  compressor, omega = UNBIASED[name]
+  assert compressor.unbiased
+  if name == "randomk_shared":
+    # The shared key lives in the state: successive calls are the samples.
+    def step(state, _):
+      payload, state = compressor.encode(X, state, jax.random.PRNGKey(0))
+      return state, compressor.decode(payload, X.shape)
+    run = jax.jit(lambda state: jax.lax.scan(step, state, None, length=SAMPLES)[1])
+    decoded = np.asarray(run(compressor.init(X.shape, X.dtype)), np.float64)
+  else:
+    decoded = samples(compressor)
+  mean, std = decoded.mean(0), decoded.std(0)
+  bound = 5.0 * std / math.sqrt(decoded.shape[0]) + 1e-6
+  np.testing.assert_array_less(np.abs(mean - np.asarray(X)), bound)
+  if omega is not None:
+    error = np.mean(np.sum((decoded - np.asarray(X)) ** 2, axis=1))
+    assert error <= 1.1 * omega * _sq(X), (error, omega * _sq(X))
+
+
+def test_topk_contraction_exact_and_chunked():
+  for compressor, delta in ((topk(0.25), 4 / SIZE), (topk(0.25, chunk=8), 2 / 8),
+                            (topk(fraction=None, k=3), 3 / SIZE)):
+    payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
+    error = _sq(compressor.decode(payload, X.shape) - X)
+    assert error <= (1 - delta) * _sq(X) + 1e-6, compressor.name
+  chunked, _ = topk(0.25, chunk=8).encode(X, (), jax.random.PRNGKey(0))
+  assert chunked.indices.dtype == jnp.uint16 and chunked.indices.shape == (2, 2)
+  with pytest.raises(ValueError, match="chunk"):
+    topk(0.1, chunk=65537)
+
+
+def test_scaled_sign_error_identity():
+  compressor = sign()
+  payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
+  error = _sq(compressor.decode(payload, X.shape) - X)
+  np.testing.assert_allclose(error, _sq(X) - _l1(X) ** 2 / SIZE, rtol=1e-5)
+
+
+def test_unscaled_randomk_contracts_in_expectation():
+  decoded = samples(randomk(0.25, shared=False, scale=False))
+  error = np.mean(np.sum((decoded - np.asarray(X)) ** 2, axis=1))
+  np.testing.assert_allclose(error, (1 - 4 / SIZE) * _sq(X), rtol=0.05)
+
+
+def test_shared_randomk_is_linear_and_psum_matches():
+  compressor = randomk(0.25)
+  state = compressor.init(X.shape, X.dtype)
+  inputs = jnp.stack([X, jnp.flip(X), 2.0 * X])
+  payloads, states = jax.vmap(compressor.encode, in_axes=(0, None, None))(
+      inputs, state, jax.random.PRNGKey(0))
+  summed = sum_payloads(payloads)
+  of_sum, _ = compressor.encode(inputs.sum(0), state, jax.random.PRNGKey(0))
+  chex.assert_trees_all_close(summed, of_sum, rtol=1e-6)
+  decoded = jax.vmap(lambda p: compressor.decode(p, X.shape))(payloads)
+  np.testing.assert_allclose(compressor.decode(summed, X.shape), decoded.sum(0), rtol=1e-5,
+                             atol=1e-6)
+  psummed = jax.vmap(lambda p: psum_payload(p, "devices"), axis_name="devices")(payloads)
+  chex.assert_trees_all_close(jax.tree.map(lambda leaf: leaf[1], psummed), summed)
+  np.testing.assert_array_equal(states.key[0], states.key[2])
+
+
+def test_cast_guard_sums_without_overflow_and_saturates():
+  big = jnp.full((4,), 60000.0)
+  guarded, plain = cast(jnp.float16, axis_size=4), cast(jnp.float16)
+  payloads = jnp.stack([guarded.encode(big, (), None)[0]] * 4)
+  total = guarded.decode(jnp.sum(payloads, axis=0), (4,))
+  np.testing.assert_allclose(total, 4 * big, rtol=1e-3)
+  assert not jnp.all(jnp.isfinite(jnp.sum(jnp.stack([plain.encode(big, (), None)[0]] * 4), 0)))
+  for dtype, limit in ((jnp.float16, 65504.0), (jnp.float8_e4m3fn, 448.0)):
+    sent, _ = cast(dtype).encode(jnp.array([1e9, -1e9, jnp.nan]), (), None)
+    np.testing.assert_array_equal(np.asarray(sent[:2], np.float32), [limit, -limit])
+    assert np.isnan(np.float32(sent[2]))
+  scaled = cast(jnp.float8_e4m3fn, scaled=True)
+  small = 1e-4 * X
+  payload, _ = scaled.encode(small, (), None)
+  assert _sq(scaled.decode(payload, X.shape) - small) <= 0.01 * _sq(small)
+
+
+def test_qsgd_wire_format():
+  assert [qsgd(s).wire_bytes((8,), jnp.float32) for s in (1, 3, 16, 127)] == [6, 7, 10, 12]
+  compressor = qsgd(3)
+  payload, _ = compressor.encode(X, (), jax.random.PRNGKey(1))
+  decoded = np.asarray(compressor.decode(payload, X.shape))
+  levels = np.abs(decoded) * 3 / float(payload.norm[0])
+  np.testing.assert_allclose(levels, np.round(levels), atol=1e-5)
+  assert np.all(np.round(levels) <= 3)
+  np.testing.assert_array_equal(np.sign(decoded) * np.sign(X) >= 0, True)
+
+
+def test_terngrad_shared_scaler_under_a_named_axis():
+  compressor = terngrad(scale_axis="devices")
+  inputs = jnp.stack([X, 3.0 * X])
+  payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None), axis_name="devices")(
+      inputs, (), jax.random.PRNGKey(0))
+  np.testing.assert_allclose(payloads.scaler[:, 0], 3.0 * float(jnp.max(jnp.abs(X))))
+  decoded = jax.vmap(lambda p: compressor.decode(p, X.shape))(payloads)
+  assert set(np.unique(np.asarray(decoded) / payloads.scaler[0, 0])) <= {-1.0, 0.0, 1.0}
+
+
+def test_natural_sends_neighbouring_powers_of_two():
+  compressor = natural()
+  values = jnp.array([3.0, -0.75, 1.0, 0.0, 1e-40, 2e38], jnp.float32)
+  decoded = jax.vmap(lambda key: compressor.decode(
+      compressor.encode(values, (), key)[0], values.shape))(jax.random.split(
+          jax.random.PRNGKey(0), 64))
+  decoded = np.asarray(decoded)
+  assert set(np.unique(decoded[:, 0])) == {2.0, 4.0}
+  assert set(np.unique(decoded[:, 1])) == {-0.5, -1.0}
+  np.testing.assert_array_equal(decoded[:, 2:4], [[1.0, 0.0]] * 64)
+  assert set(np.unique(decoded[:, 4])) <= {0.0, 2.0**-126}
+  assert np.all(np.isfinite(decoded[:, 5]))
+
+
+def test_threshold_overflow_stays_in_the_residual():
+  compressor = error_feedback(threshold(0.5, capacity=0.25))
+  state = compressor.init(X.shape, X.dtype)
+  payload, state = compressor.encode(X, state, jax.random.PRNGKey(0))
+  above = int(jnp.sum(jnp.abs(X) >= 0.5))
+  assert above > 4 and int(payload.count[0]) == 4
+  sent = compressor.decode(payload, X.shape)
+  np.testing.assert_allclose(sent + state.residual, X, atol=1e-6)
+  kept = np.sort(np.abs(np.asarray(X)))[-4:]
+  np.testing.assert_allclose(np.sort(np.abs(np.asarray(sent)))[-4:], kept)
+  total = sent
+  for _ in range(3):
+    payload, state = compressor.encode(jnp.zeros_like(X), state, jax.random.PRNGKey(0))
+    total = total + compressor.decode(payload, X.shape)
+  np.testing.assert_allclose(total + state.residual, X, atol=1e-6)
+  assert _sq(state.residual) < _sq(X) and float(jnp.max(jnp.abs(state.residual))) < 0.5
+
+
+def test_adaptive_threshold_hits_the_density():
+  x = jax.random.normal(jax.random.PRNGKey(2), (4096,))
+  compressor = adaptive_threshold(0.05, sample=0.1)
+  payload, _ = jax.jit(compressor.encode)(x, (), jax.random.PRNGKey(3))
+  assert 0.03 * 4096 <= int(payload.count[0]) <= 0.08 * 4096
+
+
+def test_composition_counts_bytes_exactly():
+  compressor = compose(topk(0.01), quantize(4))
+  shape = (1000,)
+  assert compressor.wire_bytes(shape, jnp.float32) == 10 * 4 + (5 + 4)
+  chunked = compose(topk(0.25, chunk=8), quantize(8, stochastic=False))
+  assert chunked.wire_bytes((SIZE,), jnp.float32) == 4 * 2 + (4 + 4)
+  payload, _ = chunked.encode(X, chunked.init(X.shape, X.dtype), jax.random.PRNGKey(0))
+  reference, _ = topk(0.25, chunk=8).encode(X, (), None)
+  np.testing.assert_allclose(chunked.decode(payload, X.shape),
+                             topk(0.25, chunk=8).decode(reference, X.shape), atol=0.02)
+
+
+def test_count_sketch_linear_and_recovers_heavy_hitters():
+  size = 1000
+  spikes = np.array([7, 100, 333, 512, 999])
+  x = 0.01 * jax.random.normal(jax.random.PRNGKey(4), (size,))
+  x = x.at[spikes].set(jnp.array([10.0, -8.0, 6.0, -12.0, 9.0]))
+  compressor = count_sketch(64, 5, heavy=5 / size)
+  payload, _ = compressor.encode(x, (), None)
+  recovered = compressor.decode(payload, (size,))
+  np.testing.assert_array_equal(np.nonzero(np.asarray(recovered))[0], spikes)
+  np.testing.assert_allclose(recovered[spikes], x[spikes], atol=0.1)
+  other, _ = compressor.encode(jnp.flip(x), (), None)
+  of_sum, _ = compressor.encode(x + jnp.flip(x), (), None)
+  chex.assert_trees_all_close(sum_payloads(jax.tree.map(lambda a, b: jnp.stack([a, b]),
+                                                        payload, other)), of_sum, atol=1e-5)
+  single_row = count_sketch(32, 1)
+  first, second = single_row.encode(x, (), None)[0], single_row.encode(2 * x, (), None)[0]
+  np.testing.assert_allclose(single_row.decode(first._replace(table=first.table + second.table),
+                                               (size,)),
+                             single_row.decode(first, (size,)) + single_row.decode(second, (size,)),
+                             atol=1e-5)
