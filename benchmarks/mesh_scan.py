@@ -104,9 +104,8 @@ def topk_formula_bytes(params, fraction: float, hosts: int, local: int) -> int:
   """``(H-1) * 8 * sum_leaves k`` with ``k = max(1, floor(fraction * ceil(d/G)))`` per leaf."""
   import jax
 
-  from jaxcomm.collectives.hierarchical import shard_size
   from jaxcomm.compress.topk import topk_count
-  total_k = sum(topk_count((shard_size(leaf.size, local),), fraction, None)
+  total_k = sum(topk_count((-(-leaf.size // local),), fraction, None)
                 for leaf in jax.tree.leaves(params))
   return (hosts - 1) * 8 * total_k
 

@@ -15,8 +15,8 @@ from jaxcomm import accounting
 AXES = ("host", "local")
 
 
-def _step(mesh, compressor, params):
-  tx = jaxcomm.compressed_allreduce(compressor)
+def _step(mesh, compressor, params, **kwargs):
+  tx = jaxcomm.compressed_allreduce(compressor, **kwargs)
   state, specs = jaxcomm.sharded_init(tx, params, mesh)
 
   @jax.jit
@@ -32,7 +32,7 @@ def _step(mesh, compressor, params):
 def test_topk_inter_host_bytes_equal_the_payload_formula(hosts, local):
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
   params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(40)}
-  report = _step(mesh, jaxcomm.topk(0.01), params)
+  report = _step(mesh, jaxcomm.topk(0.01), params, strategy="gather")
   k_w = int(0.01 * (12000 // local))
   k_b = max(1, int(0.01 * (40 // local)))
   assert report.link_bytes()["host"] == (hosts - 1) * 8 * (k_w + k_b)

@@ -26,7 +26,10 @@ def test_short_scan_prints_the_table_and_writes_json(tmp_path):
   assert rows["fp32"]["intra_host_bytes"] == 0  # one flat all-reduce, charged to the host link
   assert rows["topk-ef"]["inter_host_bytes"] < rows["sign-ef"]["inter_host_bytes"] \
       < rows["int8"]["inter_host_bytes"] < rows["fp32-hier"]["inter_host_bytes"]
-  assert rows["fp32-hier"]["intra_host_bytes"] == rows["topk-ef"]["intra_host_bytes"] > 0
+  # Same dense fast-axis traffic; fp32-hier pads to a multiple of all 8 devices, not 4.
+  assert rows["fp32-hier"]["intra_host_bytes"] == pytest.approx(
+      rows["topk-ef"]["intra_host_bytes"], rel=0.01)
+  assert rows["topk-ef"]["intra_host_bytes"] > 0
   assert all(row["finite"] and row["median_step_ms"] > 0 for row in rows.values())
 
 

@@ -1,5 +1,12 @@
-"""Allreduce strategies over named mesh axes."""
+"""Allreduce strategies over named mesh axes, composed into N-level topologies."""
 
-from jaxcomm.collectives.hierarchical import hierarchical_allreduce
+from jaxcomm.collectives.buckets import Bucket, pack, plan_buckets, unpack
+from jaxcomm.collectives.hierarchical import Level, hierarchical_allreduce, init_states, level
+from jaxcomm.collectives.strategies import (STRATEGIES, TwoPhaseState, dense_sum, gather_sum,
+                                            linear_sum, two_phase_sum)
 
-__all__ = ["hierarchical_allreduce"]
+__all__ = [
+    "Bucket", "Level", "STRATEGIES", "TwoPhaseState", "dense_sum", "gather_sum",
+    "hierarchical_allreduce", "init_states", "level", "linear_sum", "pack", "plan_buckets",
+    "two_phase_sum", "unpack",
+]

@@ -1,85 +1,227 @@
-"""Two-level allreduce: dense over the fast axis, compressed over the slow axis.
+"""N-level allreduce: dense over fast axes, compressed over slow ones.
 
-Bytes each device sends for one array of ``D`` bytes (``d`` elements), ``G`` devices on the
-fast axis, ``H`` on the slow axis, and a compressor whose payload for the ``d/G`` shard is
-``c`` bytes:
+A topology is a sequence of :class:`Level`, fastest first, e.g. chip -> host -> pod. A level
+without a compressor is *dense*: the data is reduce-scattered over it on the way in and
+all-gathered back on the way out, so every slower level works on a ``1/size`` shard and all
+devices of the fast group use their own link in parallel. A level with a compressor sums its
+current shard with a strategy of :mod:`jaxcomm.collectives.strategies` (linear, gather or
+two-phase), keeping its own error-feedback state; compressed levels nest.
 
-* fast axis: reduce-scatter ``(G-1)/G * D`` + all-gather ``(G-1)/G * D``, i.e. the
-  ``2(G-1)/G * D`` of a ring all-reduce;
-* slow axis: all-gather of the payloads, ``(H-1) * c``. Every one of the ``G`` devices of a
-  host exchanges its own shard, so all ``G`` NICs work in parallel.
+Bytes each device sends for an array of ``D`` bytes on the default two levels (``G`` devices
+per host, ``H`` hosts, payload ``c`` bytes for the ``ceil(d/G)`` shard):
+
+* fast axis: reduce-scatter ``(G-1)/G D`` + all-gather ``(G-1)/G D`` = ``2(G-1)/G D``;
+* slow axis: ``(H-1) c`` (gather), about ``2c`` (two-phase) or ``2(H-1)/H c`` (linear).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import Compressor, CompressorState, check_float_input
+from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
+from jaxcomm.compress.error_feedback import error_feedback
+
+DENSE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
 
-def shard_size(size: int, fast_size: int) -> int:
-  """Elements of the ``1/G`` shard each device owns after the fast reduce-scatter."""
-  return -(-size // fast_size)
+class Level(NamedTuple):
+  """One mesh axis of a topology and how data crosses it.
+
+  Attributes:
+    axis: the mesh axis name.
+    compressor: ``None`` for full precision (the level is reduce-scattered), else the
+      compressor of the data crossing this axis.
+    strategy: ``None`` (automatic) or a name from :data:`strategies.STRATEGIES`.
+    feedback: keep error-feedback residuals for this level's compressor.
+    dtype: for a dense level, the dtype the data is summed in (``None``: as given).
+  """
+  axis: str
+  compressor: Compressor | None = None
+  strategy: str | None = None
+  feedback: bool = True
+  dtype: Any = None
 
 
-def device_key(key: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """A key distinct on every device of ``axes`` (independent compression noise per device)."""
-  index = jnp.zeros((), jnp.int32)
-  for axis in axes:
-    index = index * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
-  return jax.random.fold_in(key, index)
+def level(axis: str, compressor: Compressor | None = None, *, strategy: str | None = None,
+          feedback: bool = True, dtype: Any = None) -> Level:
+  """Builds a validated :class:`Level` (errors name the parameter and the allowed values)."""
+  if not isinstance(axis, str) or not axis:
+    raise TypeError(f"axis must be a non-empty mesh axis name, got {axis!r}.")
+  if compressor is not None and not isinstance(compressor, Compressor):
+    raise TypeError(f"compressor must be a jaxcomm.Compressor or None, got "
+                    f"{type(compressor).__name__}.")
+  if not isinstance(feedback, bool):
+    raise TypeError(f"feedback must be a bool, got {feedback!r}.")
+  if dtype is not None:
+    if compressor is not None:
+      raise ValueError("dtype applies to dense levels only; for a compressed level cast with "
+                       "its compressor.")
+    dtype = check_dtype("dtype", dtype, DENSE_DTYPES)
+  stateless = compressor is None or compressor.init((1,), jnp.float32) == ()
+  strategies.check_strategy(strategy, compressor, stateless=stateless)
+  return Level(axis, compressor, strategy, feedback, dtype)
 
 
-def hierarchical_allreduce(
-    x: jax.Array,
-    compressor: Compressor | None,
-    state: CompressorState,
-    key: jax.Array,
-    *,
-    fast_axis: str,
-    slow_axis: str,
-) -> tuple[jax.Array, CompressorState]:
-  """Mean of ``x`` over ``fast_axis`` x ``slow_axis``, compressed across ``slow_axis`` only.
+def check_levels(levels: Sequence[Level]) -> tuple[Level, ...]:
+  """Validates a topology: a non-empty sequence of :class:`Level` with distinct axes."""
+  levels = tuple(levels)
+  if not levels or not all(isinstance(lv, Level) for lv in levels):
+    raise TypeError("levels must be a non-empty sequence of jaxcomm.collectives.Level "
+                    f"(made with jaxcomm.collectives.level), got {levels!r}.")
+  axes = [lv.axis for lv in levels]
+  if len(set(axes)) != len(axes):
+    raise ValueError(f"levels must name distinct mesh axes, got {axes}.")
+  return levels
 
-  Must be called inside ``jax.shard_map`` over both axes. Steps:
 
-  1. divide by the device count ``G*H`` (once, before any sum, so float16 sums cannot
-     overflow), flatten, zero-pad to a multiple of ``G`` and reduce-scatter over
-     ``fast_axis``: each device owns a ``ceil(d/G)`` shard summed over its host;
-  2. encode the shard, all-gather the payloads over ``slow_axis``, decode each and sum them in
-     float32 (skipped when the slow axis has one device: nothing crosses hosts);
-  3. all-gather the reduced shards over ``fast_axis`` and restore the shape.
+def _stateless(compressor: Compressor) -> bool:
+  return compressor.init((1,), jnp.float32) == ()
 
-  Args:
-    x: this device's array (e.g. its local gradient), any shape, float32/bfloat16/float16.
-    compressor: compressor for the slow axis; ``None`` sends the shard at full precision.
-    state: the compressor's state for a ``(ceil(d/G),)`` shard on this device.
-    key: PRNG key, the same on every device; it is folded with the device index.
-    fast_axis: the intra-host mesh axis.
-    slow_axis: the inter-host mesh axis.
+
+def _resolved(lv: Level) -> str:
+  size = jax.lax.axis_size(lv.axis)
+  stateless = lv.compressor is None or _stateless(lv.compressor)
+  return strategies.choose_strategy(lv.strategy, lv.compressor, size, stateless=stateless)
+
+
+def _wire_compressor(lv: Level) -> Compressor:
+  return error_feedback(lv.compressor) if lv.feedback else lv.compressor
+
+
+def _shard_sizes(levels: Sequence[Level], size: int) -> tuple[int, list[int]]:
+  """Padded length and the shard length each level sees, dense levels dividing it."""
+  dense = 1
+  for lv in levels:
+    if lv.compressor is None:
+      dense *= jax.lax.axis_size(lv.axis)
+  padded = -(-size // dense) * dense
+  lengths, current = [], padded
+  for lv in levels:
+    lengths.append(current)
+    if lv.compressor is None:
+      current //= jax.lax.axis_size(lv.axis)
+  return padded, lengths
+
+
+def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
+  """Per-level state for an array of ``size`` elements; call inside ``shard_map``.
 
   Returns:
-    ``(mean, new_state)``: the mean in ``x``'s dtype and shape (identical on every device), and
-    this device's new compressor state.
+    A tuple with one entry per level: ``()`` for dense levels and levels without state, else
+    the level's residuals, marked varying over the axes where the level's shard differs
+    between devices (they are device-local there and replicated elsewhere).
   """
-  require_axes((slow_axis, fast_axis), "hierarchical_allreduce")
+  levels = check_levels(levels)
+  require_axes([lv.axis for lv in levels], "init_states")
+  _, lengths = _shard_sizes(levels, size)
+  states = []
+  for index, (lv, length) in enumerate(zip(levels, lengths)):
+    if lv.compressor is None:
+      states.append(())
+      continue
+    strategy = _resolved(lv)
+    if strategy == "two_phase":
+      state = (strategies.two_phase_init(length, jax.lax.axis_size(lv.axis))
+               if lv.feedback else ())
+    else:
+      state = _wire_compressor(lv).init((length,), dtype) if lv.feedback else \
+          lv.compressor.init((length,), dtype)
+    varying = _distinct_axes(levels, index)
+    states.append(jax.lax.pcast(state, varying, to="varying") if jax.tree.leaves(state)
+                  else state)
+  return tuple(states)
+
+
+def _distinct_axes(levels: Sequence[Level], index: int) -> tuple[str, ...]:
+  """Axes over which level ``index``'s shard differs between devices.
+
+  Dense levels before it scattered different pieces to their devices; compressed levels
+  before it left the same sum on all of theirs; levels from ``index`` on have not summed yet.
+  """
+  return tuple(lv.axis for i, lv in enumerate(levels)
+               if i >= index or lv.compressor is None)
+
+
+def _level_key(key: jax.Array, levels: Sequence[Level], index: int, shared: bool) -> jax.Array:
+  """A key that differs exactly where level ``index``'s data differs.
+
+  Devices holding the same shard must draw the same randomness, or their "means" would
+  diverge; with ``shared`` (linear strategy) the key is also the same across the level's own
+  axis, so shared indices / hashes line up.
+  """
+  position = jnp.zeros((), jnp.int32)
+  for axis in _distinct_axes(levels, index):
+    if not (shared and axis == levels[index].axis):
+      position = position * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
+  return jax.random.fold_in(jax.random.fold_in(key, index), position)
+
+
+def _exchange(lv: Level, strategy: str, shard: jax.Array, state, key: jax.Array):
+  if strategy == "two_phase":
+    total, state = strategies.two_phase_sum(shard, lv.compressor, state or None, key, lv.axis)
+    return total, () if state is None else state
+  compressor = _wire_compressor(lv) if lv.feedback else lv.compressor
+  if strategy == "linear":
+    return strategies.linear_sum(shard, compressor, state, key, lv.axis)
+  return strategies.gather_sum(shard, compressor, state, key, lv.axis)
+
+
+def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,
+                           key: jax.Array) -> tuple[jax.Array, tuple]:
+  """Mean of ``x`` over every level's axis, compressed where a level says so.
+
+  Must be called inside ``jax.shard_map`` over all the levels' axes. ``x`` is divided by the
+  total device count once, before any sum (so float16 sums cannot overflow), flattened and
+  zero-padded to a multiple of the dense levels' sizes. Levels are then visited fastest first:
+  dense ones reduce-scatter, compressed ones sum their shard (in float32) with their strategy;
+  finally the dense levels all-gather back, slowest first. A compressed level whose axis has a
+  single device is skipped: nothing crosses it.
+
+  Args:
+    x: this device's array, any shape, float32/bfloat16/float16.
+    levels: the topology, fastest first (see :func:`level`).
+    states: per-level state from :func:`init_states` for ``x.size`` elements.
+    key: PRNG key, the same on every device. Each level folds in the device's position over
+      the axes where its shard differs (not over the level's own axis for the linear
+      strategy: shared indices / hashes), so devices holding the same data draw the same
+      randomness and every device ends with the same mean.
+
+  Returns:
+    ``(mean, new_states)``: the mean in ``x``'s dtype and shape, identical on every device.
+  """
+  levels = check_levels(levels)
+  require_axes([lv.axis for lv in levels], "hierarchical_allreduce")
   check_float_input(x)
-  fast_size = jax.lax.axis_size(fast_axis)
-  slow_size = jax.lax.axis_size(slow_axis)
-  size = int(np.prod(x.shape, dtype=np.int64))
-  shard_len = shard_size(size, fast_size)
-  flat = (x / (fast_size * slow_size)).astype(x.dtype).reshape(-1)
-  flat = jnp.pad(flat, (0, shard_len * fast_size - size))
-  shard = jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True)
-  if compressor is None or slow_size == 1:
-    reduced = jax.lax.psum(shard.astype(jnp.float32), slow_axis)
-  else:
-    payload, state = compressor.encode(shard, state, device_key(key, (slow_axis, fast_axis)))
-    gathered = jax.lax.all_gather(payload, slow_axis, to="invarying")
-    decoded = jax.vmap(lambda p: compressor.decode(p, (shard_len,)))(gathered)
-    reduced = jnp.sum(decoded, axis=0)
-  full = jax.lax.all_gather(reduced.astype(x.dtype), fast_axis, tiled=True, to="invarying")
-  return full[:size].reshape(x.shape), state
+  total = 1
+  for lv in levels:
+    total *= jax.lax.axis_size(lv.axis)
+  size = x.size
+  padded, _ = _shard_sizes(levels, size)
+  shard = jnp.pad((x / total).astype(x.dtype).reshape(-1), (0, padded - size))
+  new_states = []
+  for index, (lv, state) in enumerate(zip(levels, states)):
+    if lv.compressor is None:
+      summed_dtype = lv.dtype or shard.dtype
+      shard = jax.lax.psum_scatter(shard.astype(summed_dtype), lv.axis, scatter_dimension=0,
+                                   tiled=True)
+      new_states.append(state)
+      continue
+    if jax.lax.axis_size(lv.axis) == 1:
+      shard = jax.lax.psum(shard, lv.axis)  # one device: a no-op that marks it reduced
+      new_states.append(state)
+      continue
+    strategy = _resolved(lv)
+    level_key = _level_key(key, levels, index, shared=strategy == "linear")
+    shard, state = _exchange(lv, strategy, shard, state, level_key)
+    new_states.append(state)
+  shard = shard.astype(x.dtype)
+  for lv in reversed(levels):
+    if lv.compressor is None:
+      shard = jax.lax.all_gather(shard, lv.axis, tiled=True, to="invarying")
+  return shard[:size].reshape(x.shape), tuple(new_states)

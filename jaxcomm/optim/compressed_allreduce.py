@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm.collectives import buckets as bucketing
 from jaxcomm.collectives.axes import require_axes, require_varying
-from jaxcomm.collectives.hierarchical import hierarchical_allreduce, shard_size
+from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
+                                              init_states, level)
 from jaxcomm.compress.base import Compressor, check_float_input
-from jaxcomm.compress.error_feedback import error_feedback
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
 
@@ -19,28 +21,42 @@ class CompressedAllReduceState(NamedTuple):
   """State of :func:`compressed_allreduce`.
 
   Attributes:
-    compressor_state: one compressor state per gradient leaf, for that leaf's ``ceil(d/G)``
-      shard. Device-local (varying over both mesh axes): inside ``shard_map`` a leaf of shape
-      ``(n,)`` is this device's; outside it is the ``(H*G*n,)`` concatenation, sharded with
-      ``PartitionSpec((slow_axis, fast_axis))``. :func:`jaxcomm.sharded_init` builds these specs.
+    level_states: one entry per bucket (per gradient leaf without bucketing, in
+      ``jax.tree.leaves`` order), each a tuple with one state per level (``()`` for dense
+      levels), e.g. ``level_states[i][1].residual`` is the error-feedback residual of leaf
+      ``i``'s slow-axis shard. Device-local (varying over the mesh axes): inside ``shard_map``
+      a leaf of shape ``(n,)`` is this device's; outside it is the concatenation over devices,
+      sharded along its first dimension. :func:`jaxcomm.sharded_init` builds these specs.
     key: PRNG key, replicated; split every step.
     count: int32 step counter, replicated.
   """
-  compressor_state: Any
+  level_states: tuple
   key: jax.Array
   count: jax.Array
 
 
-def _validate_compressor(compressor: Compressor | None) -> None:
-  if compressor is not None and not isinstance(compressor, Compressor):
-    raise TypeError(
-        f"compressor must be a jaxcomm.Compressor or None, got {type(compressor).__name__}.")
+def _topology(compressor, strategy, feedback, levels, fast_axis, slow_axis) -> tuple[Level, ...]:
+  if levels is not None:
+    if compressor is not None or strategy is not None or feedback is not True:
+      raise ValueError("Pass either levels or compressor/strategy/feedback, not both: each "
+                       "Level carries its own compressor, strategy and feedback.")
+    return check_levels(levels)
+  for name, axis in (("fast_axis", fast_axis), ("slow_axis", slow_axis)):
+    if not isinstance(axis, str) or not axis:
+      raise TypeError(f"{name} must be a non-empty mesh axis name, got {axis!r}.")
+  if fast_axis == slow_axis:
+    raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
+  return (level(fast_axis),
+          level(slow_axis, compressor, strategy=strategy, feedback=feedback))
 
 
 def compressed_allreduce(
-    compressor: Compressor | None,
+    compressor: Compressor | None = None,
     *,
+    strategy: str | None = None,
     feedback: bool = True,
+    levels: Sequence[Level] | None = None,
+    bucket_bytes: int | None = None,
     fast_axis: str = LOCAL_AXIS,
     slow_axis: str = HOST_AXIS,
     seed: int = 0,
@@ -49,60 +65,60 @@ def compressed_allreduce(
 
   Place it first in an ``optax.chain``; the transformations after it see the global mean
   gradient, identical on every device. Both ``init`` and ``update`` run inside
-  ``jax.shard_map`` over a mesh with ``fast_axis`` and ``slow_axis``. The state is partly
-  device-local: create it with :func:`jaxcomm.sharded_init`, which also returns the
-  ``PartitionSpec`` pytree to use for it in the train step's ``in_specs``/``out_specs``.
+  ``jax.shard_map`` over a mesh with the topology's axes. The state is partly device-local:
+  create it with :func:`jaxcomm.sharded_init`, which also returns the ``PartitionSpec`` pytree
+  to use for it in the train step's ``in_specs``/``out_specs``.
 
-  Bytes per device and step, for each gradient leaf of ``D`` bytes, ``G`` devices per host,
-  ``H`` hosts and a payload of ``c`` bytes for the leaf's ``1/G`` shard:
-  ``2(G-1)/G * D`` over the fast axis and ``(H-1) * c`` over the slow axis
-  (see :func:`jaxcomm.collectives.hierarchical_allreduce`).
+  Bytes per device and step for each bucket of ``D`` bytes on the default two levels
+  (``G`` devices per host, ``H`` hosts, payload ``c`` for the bucket's ``1/G`` shard):
+  ``2(G-1)/G D`` over the fast axis; over the slow axis ``(H-1) c`` (gather), about ``2c``
+  (two-phase) or ``2(H-1)/H c`` (linear). See :mod:`jaxcomm.collectives.strategies`.
 
   Args:
     compressor: compressor for the slow axis, e.g. ``jaxcomm.topk(0.01)``; ``None`` for full
       precision everywhere.
-    feedback: wrap the compressor in :func:`jaxcomm.error_feedback` (recommended for biased
-      compressors such as top-k and sign; ignored when ``compressor`` is None).
-    fast_axis: the intra-host mesh axis name.
-    slow_axis: the inter-host mesh axis name.
+    strategy: how the slow axis sums payloads: ``'linear'``, ``'gather'``, ``'two_phase'``, or
+      ``None`` to choose from the compressor's facts and the axis size.
+    feedback: keep error-feedback residuals (recommended for biased compressors such as top-k
+      and sign; with ``two_phase`` it keeps worker and server residuals).
+    levels: a full topology instead of ``compressor``/``strategy``/``feedback``: a sequence of
+      :func:`jaxcomm.collectives.level`, fastest first (e.g. chip, host, pod).
+    bucket_bytes: pack consecutive leaves of one dtype into flat buckets of at most this many
+      bytes, so each level issues one collective per bucket; ``None``: one per leaf.
+    fast_axis: the intra-host mesh axis name (two-level form).
+    slow_axis: the inter-host mesh axis name (two-level form).
     seed: seed of the PRNG key used by stochastic compressors.
 
   Returns:
     An ``optax.GradientTransformation``. ``update(grads, state, params=None)`` expects this
-    device's own gradients (varying over both axes: see :func:`jaxcomm.local_grad`) and
-    returns the mean.
+    device's own gradients (varying over every axis: see :func:`jaxcomm.local_grad`) and
+    returns their mean.
 
   Example:
     >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
     ...                  optax.adamw(1e-3))  # doctest: +SKIP
   """
-  _validate_compressor(compressor)
+  if compressor is not None and not isinstance(compressor, Compressor):
+    raise TypeError(
+        f"compressor must be a jaxcomm.Compressor or None, got {type(compressor).__name__}.")
   if not isinstance(feedback, bool):
     raise TypeError(f"feedback must be a bool, got {feedback!r}.")
-  for name, axis in (("fast_axis", fast_axis), ("slow_axis", slow_axis)):
-    if not isinstance(axis, str) or not axis:
-      raise TypeError(f"{name} must be a non-empty mesh axis name, got {axis!r}.")
-  if fast_axis == slow_axis:
-    raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise TypeError(f"seed must be an int, got {seed!r}.")
-  if compressor is not None and feedback:
-    compressor = error_feedback(compressor)
-  axes = (slow_axis, fast_axis)
+  topology = _topology(compressor, strategy, feedback, levels, fast_axis, slow_axis)
+  bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes)
+  axes = tuple(lv.axis for lv in topology)
+
+  def plan(tree):
+    return bucketing.plan_buckets(jax.tree.leaves(tree), bucket_bytes)
 
   def init(params) -> CompressedAllReduceState:
     require_axes(axes, "compressed_allreduce.init")
-    fast_size = jax.lax.axis_size(fast_axis)
-
-    def leaf_state(leaf):
-      check_float_input(leaf, "params")
-      if compressor is None:
-        return ()
-      shape = (shard_size(leaf.size, fast_size),)
-      return jax.lax.pcast(compressor.init(shape, leaf.dtype), axes, to="varying")
-
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+      check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
     return CompressedAllReduceState(
-        compressor_state=jax.tree.map(leaf_state, params),
+        level_states=tuple(init_states(topology, bucket.size, bucket.dtype)
+                           for bucket in plan(params)),
         key=jax.random.PRNGKey(seed),
         count=jnp.zeros((), jnp.int32))
 
@@ -114,16 +130,17 @@ def compressed_allreduce(
     require_varying(grads, axes, "compressed_allreduce.update")
     key, step_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(grads)
-    states = treedef.flatten_up_to(state.compressor_state)
-    means, new_states = [], []
-    for index, (grad, leaf_state) in enumerate(zip(leaves, states)):
-      mean, leaf_state = hierarchical_allreduce(
-          grad, compressor, leaf_state, jax.random.fold_in(step_key, index),
-          fast_axis=fast_axis, slow_axis=slow_axis)
-      means.append(mean)
-      new_states.append(leaf_state)
-    new_state = CompressedAllReduceState(
-        compressor_state=treedef.unflatten(new_states), key=key, count=state.count + 1)
+    means: list[Any] = [None] * len(leaves)
+    new_states = []
+    for index, (bucket, level_states) in enumerate(zip(plan(grads), state.level_states)):
+      mean, level_states = hierarchical_allreduce(
+          bucketing.pack(leaves, bucket), topology, level_states,
+          jax.random.fold_in(step_key, index))
+      for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
+        means[leaf_index] = leaf_mean
+      new_states.append(level_states)
+    new_state = CompressedAllReduceState(level_states=tuple(new_states), key=key,
+                                         count=state.count + 1)
     return treedef.unflatten(means), new_state
 
   return optax.GradientTransformation(init, update)

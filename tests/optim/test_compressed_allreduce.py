@@ -55,12 +55,13 @@ def test_state_specs_mark_residuals_device_local_and_the_rest_replicated(problem
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.1)), optax.adam(1e-3))
   state, specs = jaxcomm.sharded_init(tx, params, mesh)
   allreduce_specs, adam_specs = specs[0], specs[1]
-  for spec in jax.tree.leaves(allreduce_specs.compressor_state,
+  for spec in jax.tree.leaves(allreduce_specs.level_states,
                               is_leaf=lambda s: isinstance(s, P)):
     assert spec == P(AXES)
   assert allreduce_specs.key == P() and allreduce_specs.count == P()
   assert all(s == P() for s in jax.tree.leaves(adam_specs, is_leaf=lambda s: isinstance(s, P)))
-  residual = state[0].compressor_state["hidden"][0]["kernel"].residual
+  leaf_order = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+  residual = state[0].level_states[leaf_order.index("['hidden'][0]['kernel']")][1].residual
   chex.assert_shape(residual, (8 * (16 * 32 // 4),))  # one 1/G shard per device
   assert residual.sharding.spec == P(AXES)
 
@@ -97,7 +98,7 @@ def test_already_reduced_gradients_are_refused():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
   run = _update_in(mesh, tx, grads_spec=P(), pre=lambda g: {"w": g})
-  with pytest.raises(ValueError, match="not varying over mesh axis 'host'.*local_grad"):
+  with pytest.raises(ValueError, match="not varying over mesh axis '(host|local)'.*local_grad"):
     run(jnp.zeros((8, 4)))
 
 
@@ -133,5 +134,5 @@ def test_integer_gradients_are_rejected_with_their_path():
 def test_integer_parameters_are_rejected():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
-  with pytest.raises(TypeError, match="params must be a float32"):
+  with pytest.raises(TypeError, match=r"params\['n'\] must be a float32"):
     jaxcomm.sharded_init(tx, {"n": jnp.zeros(4, jnp.int32)}, mesh)

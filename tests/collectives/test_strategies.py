@@ -1,0 +1,218 @@
+"""Strategies (dense, linear, gather, two-phase), N-level topologies and bucketing."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+from jaxcomm import accounting
+from jaxcomm.collectives import Bucket, init_states, level, pack, plan_buckets, unpack
+
+AXES = ("host", "local")
+
+
+def _run_levels(mesh, levels, shape, steps=1):
+  """Jitted: apply hierarchical_allreduce ``steps`` times to the same per-device input."""
+  axes = tuple(mesh.axis_names)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes),), out_specs=P())
+  def run(x):
+    states = init_states(levels, int(np.prod(shape)), x.dtype)
+    outputs = []
+    for step in range(steps):
+      mean, states = jaxcomm.hierarchical_allreduce(x[0], levels, states,
+                                                    jax.random.PRNGKey(step))
+      outputs.append(mean)
+    return jnp.stack(outputs)
+
+  return run
+
+
+@pytest.mark.parametrize("strategy", ["gather", "two_phase", "linear"])
+@pytest.mark.parametrize("hosts, local", [(4, 2), (8, 1), (2, 4)])
+def test_identity_is_exact_under_every_strategy(strategy, hosts, local):
+  mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+  levels = (level("local"), level("host", jaxcomm.identity(), strategy=strategy))
+  x = jax.random.normal(jax.random.PRNGKey(0), (8, 3, 7))
+  (mean,) = _run_levels(mesh, levels, (3, 7))(x)
+  chex.assert_trees_all_close(mean, jnp.mean(x, 0), atol=1e-6)
+
+
+def test_dense_level_in_bfloat16():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  levels = (level("local", dtype=jnp.bfloat16), level("host"))
+  x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+  (mean,) = _run_levels(mesh, levels, (64,))(x)
+  chex.assert_trees_all_close(mean, jnp.mean(x, 0), atol=2e-2)
+  assert float(jnp.max(jnp.abs(mean - jnp.mean(x, 0)))) > 0  # really rounded to bf16
+
+
+def test_linear_shared_randomk_sums_payloads_exactly():
+  """psum of shared-index payloads == random-k of the sum: exact mean at the kept indices."""
+  mesh = jaxcomm.make_mesh(hosts=4, local=2)
+  compressor = jaxcomm.compress.randomk(0.25, shared=True, scale=False)
+  levels = (level("local"), level("host", compressor, strategy="linear", feedback=False))
+  x = jax.random.normal(jax.random.PRNGKey(2), (8, 64))
+  (mean,) = _run_levels(mesh, levels, (64,))(x)
+  kept = np.asarray(mean) != 0
+  assert kept.sum() == 2 * 8  # k = 8 of each device's 32-element shard, 2 shards
+  np.testing.assert_allclose(np.asarray(mean)[kept], np.asarray(jnp.mean(x, 0))[kept],
+                             rtol=1e-5, atol=1e-6)
+  report = accounting.measure(_run_levels(mesh, levels, (64,)), x, mesh=mesh)
+  (host_op,) = [op for op in report.collectives if op.axes == ("host",)]
+  assert host_op.kind == "all-reduce" and host_op.result_bytes == 8 * 4
+
+
+@pytest.mark.parametrize("compressor", [jaxcomm.topk(0.25), jaxcomm.sign()],
+                         ids=["topk", "sign"])
+def test_two_phase_error_feedback_converges_to_the_mean(compressor):
+  mesh = jaxcomm.make_mesh(hosts=4, local=2)
+  levels = (level("local"), level("host", compressor, strategy="two_phase"))
+  x = jax.random.normal(jax.random.PRNGKey(3), (8, 96))
+  outputs = _run_levels(mesh, levels, (96,), steps=40)(x)
+  target = jnp.mean(x, 0)
+  one_step = float(jnp.linalg.norm(outputs[0] - target))
+  averaged = float(jnp.linalg.norm(jnp.mean(outputs, 0) - target))
+  assert averaged < 0.15 * one_step, (averaged, one_step)
+
+
+def test_two_phase_bytes_stay_near_twice_the_payload_while_gather_grows():
+  x = jax.random.normal(jax.random.PRNGKey(4), (8, 4096))
+  host_bytes = {}
+  for hosts, local in [(2, 4), (4, 2), (8, 1)]:
+    mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+    for strategy in ("gather", "two_phase"):
+      levels = (level("local"), level("host", jaxcomm.sign(), strategy=strategy))
+      report = accounting.measure(_run_levels(mesh, levels, (4096,)), x, mesh=mesh)
+      host_bytes[hosts, strategy] = report.link_bytes()["host"]
+  for hosts, local in [(2, 4), (4, 2), (8, 1)]:
+    shard = 4096 // local
+    payload = shard // 8 + 4
+    assert host_bytes[hosts, "gather"] == (hosts - 1) * payload
+    chunk_payload = shard // hosts // 8 + 4
+    assert host_bytes[hosts, "two_phase"] == pytest.approx(2 * (hosts - 1) * chunk_payload)
+  assert host_bytes[8, "two_phase"] < 0.3 * host_bytes[8, "gather"]
+
+
+def test_three_levels_nest_compressed_exchanges():
+  mesh = jax.make_mesh((2, 2, 2), ("pod", "host", "local"), axis_types=(AxisType.Auto,) * 3)
+  x = jax.random.normal(jax.random.PRNGKey(5), (8, 40))
+  exact = (level("local"), level("host", jaxcomm.identity()), level("pod", jaxcomm.identity()))
+  (mean,) = _run_levels(mesh, exact, (40,))(x)
+  chex.assert_trees_all_close(mean, jnp.mean(x, 0), atol=1e-6)
+  compressed = (level("local"), level("host", jaxcomm.quantize(8), feedback=False),
+                level("pod", jaxcomm.topk(0.5)))
+  report = accounting.measure(_run_levels(mesh, compressed, (40,)), x, mesh=mesh)
+  per_axes = report.bytes_per_axes()
+  assert per_axes[("local",)] == pytest.approx(2 * 1 / 2 * 40 * 4)
+  assert per_axes[("host",)] == 20 + 4  # int8 codes of the 20-element shard + scale
+  assert per_axes[("pod",)] == 10 * 8  # top-10 of 20 as (value, index)
+
+
+def test_buckets_pack_exactly_and_respect_the_size_limit():
+  leaves = [jnp.arange(6.0).reshape(2, 3), jnp.ones(5), jnp.zeros((), jnp.float32),
+            jnp.ones(3, jnp.bfloat16), jnp.full((4, 4), 2.0)]
+  buckets = plan_buckets(leaves, bucket_bytes=48)
+  assert sorted(i for b in buckets for i in b.leaves) == list(range(5))
+  assert all(b.size * jnp.dtype(b.dtype).itemsize <= 64 for b in buckets)
+  assert all(len({leaves[i].dtype for i in b.leaves}) == 1 for b in buckets)
+  for bucket in buckets:
+    for i, piece in zip(bucket.leaves, unpack(pack(leaves, bucket), bucket)):
+      chex.assert_trees_all_equal(piece, leaves[i])
+  assert [b.leaves for b in plan_buckets(leaves, None)] == [(i,) for i in range(5)]
+  assert isinstance(buckets[0], Bucket)
+
+
+def test_bucketing_issues_fewer_collectives_with_the_same_result():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params = {f"w{i}": jnp.zeros((16, 8)) for i in range(6)}
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(6), (8, *p.shape)), params)
+  results, counts = [], []
+  for bucket_bytes in (None, 1 << 20):
+    tx = jaxcomm.compressed_allreduce(jaxcomm.identity(), feedback=False,
+                                      bucket_bytes=bucket_bytes)
+    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
+                       out_specs=(P(), specs))
+    def step(g, s):
+      return tx.update(jax.tree.map(lambda leaf: leaf[0], g), s)
+
+    results.append(step(grads, state)[0])
+    counts.append(accounting.measure(step, grads, state, mesh=mesh).count("reduce-scatter"))
+  assert counts == [6, 1]
+  chex.assert_trees_all_close(results[0], results[1], atol=1e-6)
+  chex.assert_trees_all_close(results[0], jax.tree.map(lambda g: jnp.mean(g, 0), grads),
+                              atol=1e-6)
+
+
+@pytest.mark.parametrize("factory, match", [
+    (lambda: level("host", jaxcomm.topk(0.1), strategy="allgather"), "strategy must be one of"),
+    (lambda: level("host", jaxcomm.topk(0.1), strategy="linear"), "needs a linear compressor"),
+    (lambda: level("host", strategy="gather"), "needs a compressor"),
+    (lambda: level("host", jaxcomm.compress.randomk(0.1), strategy="two_phase"), "stateless"),
+    (lambda: level("host", jaxcomm.topk(0.1), dtype=jnp.bfloat16), "dense levels only"),
+    (lambda: level("host", dtype=jnp.int8), "dtype must be one of"),
+    (lambda: level(""), "axis"),
+    (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), bucket_bytes=0), "bucket_bytes"),
+    (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), bucket_bytes=-5), "bucket_bytes"),
+    (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), strategy="psum"), "strategy"),
+    (lambda: jaxcomm.compressed_allreduce(levels=[level("a"), level("a")]), "distinct"),
+    (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), levels=[level("a")]), "either"),
+    (lambda: jaxcomm.compressed_allreduce(levels=["host"]), "levels must be"),
+])
+def test_bad_topologies_raise_at_construction(factory, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    factory()
+
+
+def test_levels_with_an_axis_missing_from_the_mesh_raise_in_init():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = jaxcomm.compressed_allreduce(levels=[level("local"), level("pod", jaxcomm.sign())])
+  with pytest.raises(ValueError, match="mesh axis 'pod' is not available"):
+    jaxcomm.sharded_init(tx, {"w": jnp.zeros(4)}, mesh)
+
+
+def test_training_with_two_phase_and_buckets_decreases_the_loss():
+  from models.data import teacher_classification
+  from models.mlp import classification_loss, init_mlp
+  graphdef, params = init_mlp(16, [32], 4)
+  inputs, labels = teacher_classification(1, 8 * 16 * 40, 16, 4)
+  mesh = jaxcomm.make_mesh(hosts=4, local=2)
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy="two_phase",
+                                                bucket_bytes=4096), optax.adam(3e-3))
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  step = jaxcomm.data_parallel_step(classification_loss(graphdef), tx, mesh, specs)
+  losses = []
+  for i in range(40):
+    params, state, loss = step(params, state, (inputs[i * 128:(i + 1) * 128],
+                                               labels[i * 128:(i + 1) * 128]))
+    losses.append(float(loss))
+  assert np.mean(losses[-5:]) < 0.85 * np.mean(losses[:5])
+
+
+def test_every_device_ends_with_the_same_mean_under_stochastic_nested_compression():
+  mesh = jax.make_mesh((2, 2, 2), ("pod", "host", "local"), axis_types=(AxisType.Auto,) * 3)
+  levels = (level("local"), level("host", jaxcomm.quantize(2), feedback=False),
+            level("pod", jaxcomm.quantize(2)))
+  axes = ("pod", "host", "local")
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(axes), out_specs=P(axes),
+                     check_vma=False)
+  def per_device(x):
+    states = init_states(levels, 40, x.dtype)
+    return jaxcomm.hierarchical_allreduce(x[0], levels, states, jax.random.PRNGKey(0))[0][None]
+
+  means = per_device(jax.random.normal(jax.random.PRNGKey(7), (8, 40)))
+  for row in means[1:]:
+    chex.assert_trees_all_equal(row, means[0])
