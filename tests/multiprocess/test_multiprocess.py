@@ -8,6 +8,7 @@ float32 ulp; see docs/multihost.md).
 """
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -28,19 +29,23 @@ PROCESSES, LOCAL_DEVICES = 2, 4
 TOLERANCE = {"rtol": 1e-6, "atol": 1e-6}
 
 
-def launch(*worker_args, timeout=300):
+def launch(*command, timeout=300):
+  """Runs ``command`` as the 2-process x 4-device job; returns the launcher's result."""
   env = {**os.environ, "PYTHONPATH": os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
          "JAX_PLATFORMS": "cpu"}
   return subprocess.run(
       [sys.executable, "-m", "jaxcomm.launch", "-n", str(PROCESSES), "--local-devices",
-       str(LOCAL_DEVICES), "--", sys.executable, os.path.join(HERE, "mp_worker.py"),
-       *worker_args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+       str(LOCAL_DEVICES), "--", sys.executable, *command],
+      capture_output=True, text=True, env=env, cwd=ROOT, timeout=timeout)
+
+
+WORKER = os.path.join(HERE, "mp_worker.py")
 
 
 @pytest.fixture(scope="module")
 def launched(tmp_path_factory):
   out_dir = tmp_path_factory.mktemp("multiprocess")
-  result = launch(str(out_dir))
+  result = launch(WORKER, str(out_dir))
   assert result.returncode == 0, result.stdout[-4000:]
   return [dict(np.load(out_dir / f"process_{i}.npz")) for i in range(PROCESSES)]
 
@@ -86,7 +91,7 @@ def test_byte_accounting_equals_the_simulated_mesh(launched, simulated):
 def test_launcher_stops_the_job_when_a_process_fails():
   """Process 1 dies with status 3; process 0 waits in a collective that cannot finish."""
   started = time.monotonic()
-  result = launch("unused-out-dir", "fail", timeout=120)
+  result = launch(WORKER, "unused-out-dir", "fail", timeout=120)
   assert result.returncode == 3, result.stdout[-4000:]
   # Not left to gloo's own 30 s timeout in process 0, nor to JAX's 100 s heartbeat timeout.
   assert time.monotonic() - started < 25
@@ -97,3 +102,13 @@ def test_initialize_refuses_a_running_backend():
   jax.devices()
   with pytest.raises(RuntimeError, match="before any JAX calls"):
     distributed.initialize("127.0.0.1:1", 2, 0)
+
+
+def test_mesh_scan_joins_the_job_when_launched():
+  result = launch("-m", "benchmarks.mesh_scan", "--methods", "topk-ef", "--steps", "3",
+                  "--timed-steps", "1", "--hidden", "16")
+  assert result.returncode == 0, result.stdout[-4000:]
+  assert "2 hosts x 4 local devices" in result.stdout
+  rows = re.findall(r"^\[process (\d)\] topk-ef +([\d,]+) ", result.stdout, re.MULTILINE)
+  assert sorted(process for process, _ in rows) == ["0", "1"], result.stdout[-4000:]
+  assert all(int(inter_host.replace(",", "")) > 0 for _, inter_host in rows)
