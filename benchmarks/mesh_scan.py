@@ -75,6 +75,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def _configure_devices(count: int) -> None:
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
+
+  from jaxcomm import distributed
+  if distributed.initialize_from_env():  # started by python -m jaxcomm.launch: one host each
+    return
   jax.config.update("jax_num_cpu_devices", count)
 
 
