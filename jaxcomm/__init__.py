@@ -4,21 +4,28 @@ Gradients are reduced at full precision over the fast mesh axis (inside a host) 
 compressed, with error feedback, over the slow axis (between hosts).
 """
 
-from jaxcomm import accounting, collectives, compress, costmodel, links, optim
-from jaxcomm.collectives import hierarchical_allreduce, level
-from jaxcomm.compress import (Compressor, ErrorFeedbackState, error_feedback, identity,
-                              payload_nbytes, quantize, sign, topk)
-from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, local_grad,
-                           local_value_and_grad, sharded_init, state_specs, data_parallel_step)
+from jaxcomm import (accounting, collectives, compress, costmodel, distributed, launch, links,
+                     optim)
+from jaxcomm.collectives import Level, hierarchical_allreduce, level
+from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold, cast,
+                              compose, count_sketch, error_feedback, identity, natural,
+                              payload_nbytes, policy, powersgd, qsgd, quantize, randomk,
+                              selective, sign, sign_vote, terngrad, threshold, topk)
 from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
+from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
+                           local_grad, local_value_and_grad, sharded_init, state_specs)
 from jaxcomm.topology import make_mesh
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Link", "accounting",
-    "collectives", "compress", "costmodel", "compressed_allreduce", "data_parallel_step", "error_feedback", "hierarchical_allreduce", "identity", "level",
-    "link", "links", "local_grad", "local_value_and_grad", "make_mesh", "optim", "payload_nbytes",
-    "predict", "project", "quantize", "sharded_init", "sign", "state_specs", "step_time", "topk",
+    "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link",
+    "accounting", "adaptive_threshold", "cast", "collectives", "compose", "compress",
+    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed",
+    "error_feedback", "hierarchical_allreduce", "identity", "launch", "level", "link", "links",
+    "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "payload_nbytes",
+    "policy", "powersgd", "predict", "project", "qsgd", "quantize", "randomk", "selective",
+    "sharded_init", "sign", "sign_vote", "state_specs", "step_time", "terngrad", "threshold",
+    "topk",
 ]
