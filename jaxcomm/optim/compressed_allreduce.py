@@ -14,6 +14,7 @@ from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
 from jaxcomm.compress.base import Compressor, check_float_input
+from jaxcomm.compress.policy import CompressionPolicy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
 
@@ -35,19 +36,32 @@ class CompressedAllReduceState(NamedTuple):
   count: jax.Array
 
 
-def _topology(compressor, strategy, feedback, levels, fast_axis, slow_axis) -> tuple[Level, ...]:
-  if levels is not None:
-    if compressor is not None or strategy is not None or feedback is not True:
-      raise ValueError("Pass either levels or compressor/strategy/feedback, not both: each "
-                       "Level carries its own compressor, strategy and feedback.")
-    return check_levels(levels)
+def _check_two_level_axes(fast_axis, slow_axis) -> None:
   for name, axis in (("fast_axis", fast_axis), ("slow_axis", slow_axis)):
     if not isinstance(axis, str) or not axis:
       raise TypeError(f"{name} must be a non-empty mesh axis name, got {axis!r}.")
   if fast_axis == slow_axis:
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
-  return (level(fast_axis),
-          level(slow_axis, compressor, strategy=strategy, feedback=feedback))
+
+
+def _leaf_topologies(compressor, strategy, feedback, levels, fast_axis, slow_axis):
+  """``topologies(tree) -> (distinct topologies, topology index per leaf)``, validated now."""
+  if levels is not None:
+    if compressor is not None or strategy is not None or feedback is not True:
+      raise ValueError("Pass either levels or compressor/strategy/feedback, not both: each "
+                       "Level carries its own compressor, strategy and feedback.")
+    fixed = check_levels(levels)
+    return (fixed,), lambda tree: [0] * len(jax.tree.leaves(tree))
+  _check_two_level_axes(fast_axis, slow_axis)
+  make = lambda choice: (level(fast_axis),
+                         level(slow_axis, choice, strategy=strategy, feedback=feedback))
+  if not isinstance(compressor, CompressionPolicy):
+    return (make(compressor),), lambda tree: [0] * len(jax.tree.leaves(tree))
+  choices = [compressor.default] + [rule.compressor for rule in compressor.rules] + [None]
+  distinct = list(dict.fromkeys(id(c) for c in choices))
+  by_id = {id(c): c for c in choices}
+  topologies = tuple(make(by_id[i]) for i in distinct)
+  return topologies, lambda tree: [distinct.index(id(c)) for c in compressor.assign(tree)]
 
 
 def compressed_allreduce(
@@ -76,7 +90,8 @@ def compressed_allreduce(
 
   Args:
     compressor: compressor for the slow axis, e.g. ``jaxcomm.topk(0.01)``; ``None`` for full
-      precision everywhere.
+      precision everywhere; or a :func:`jaxcomm.policy` choosing one per leaf (leaves with
+      the same choice share buckets).
     strategy: how the slow axis sums payloads: ``'linear'``, ``'gather'``, ``'two_phase'``, or
       ``None`` to choose from the compressor's facts and the axis size.
     feedback: keep error-feedback residuals (recommended for biased compressors such as top-k
@@ -98,26 +113,28 @@ def compressed_allreduce(
     >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
     ...                  optax.adamw(1e-3))  # doctest: +SKIP
   """
-  if compressor is not None and not isinstance(compressor, Compressor):
-    raise TypeError(
-        f"compressor must be a jaxcomm.Compressor or None, got {type(compressor).__name__}.")
+  if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
+    raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
+                    f"got {type(compressor).__name__}.")
   if not isinstance(feedback, bool):
     raise TypeError(f"feedback must be a bool, got {feedback!r}.")
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise TypeError(f"seed must be an int, got {seed!r}.")
-  topology = _topology(compressor, strategy, feedback, levels, fast_axis, slow_axis)
+  topologies, topology_of_leaves = _leaf_topologies(compressor, strategy, feedback, levels,
+                                                    fast_axis, slow_axis)
   bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes)
-  axes = tuple(lv.axis for lv in topology)
+  axes = tuple(lv.axis for lv in topologies[0])
 
   def plan(tree):
-    return bucketing.plan_buckets(jax.tree.leaves(tree), bucket_bytes)
+    """Buckets of leaves sharing a topology; ``bucket.group`` indexes ``topologies``."""
+    return bucketing.plan_buckets(jax.tree.leaves(tree), bucket_bytes, topology_of_leaves(tree))
 
   def init(params) -> CompressedAllReduceState:
     require_axes(axes, "compressed_allreduce.init")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
     return CompressedAllReduceState(
-        level_states=tuple(init_states(topology, bucket.size, bucket.dtype)
+        level_states=tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
                            for bucket in plan(params)),
         key=jax.random.PRNGKey(seed),
         count=jnp.zeros((), jnp.int32))
@@ -134,7 +151,7 @@ def compressed_allreduce(
     new_states = []
     for index, (bucket, level_states) in enumerate(zip(plan(grads), state.level_states)):
       mean, level_states = hierarchical_allreduce(
-          bucketing.pack(leaves, bucket), topology, level_states,
+          bucketing.pack(leaves, bucket), topologies[bucket.group], level_states,
           jax.random.fold_in(step_key, index))
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
         means[leaf_index] = leaf_mean

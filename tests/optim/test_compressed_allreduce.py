@@ -136,3 +136,28 @@ def test_integer_parameters_are_rejected():
   tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
   with pytest.raises(TypeError, match=r"params\['n'\] must be a float32"):
     jaxcomm.sharded_init(tx, {"n": jnp.zeros(4, jnp.int32)}, mesh)
+
+
+def test_a_policy_compresses_only_the_leaves_it_chooses():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params = {"dense": {"kernel": jnp.zeros((64, 64)), "bias": jnp.zeros(64)},
+            "head": {"kernel": jnp.zeros((64, 8))}}
+  chooser = jaxcomm.policy(jaxcomm.topk(0.1), rules=[(r"head", jaxcomm.sign())], min_bytes=0)
+  tx = jaxcomm.compressed_allreduce(chooser)
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
+  def step(grads, opt_state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
+
+  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(0), (8, *p.shape)), params)
+  means, _ = step(grads, state)
+  chex.assert_trees_all_close(means["dense"]["bias"], jnp.mean(grads["dense"]["bias"], 0),
+                              atol=1e-6)  # bias: full precision by default
+  report = jaxcomm.accounting.measure(step, grads, state, mesh=mesh)
+  host = report.link_bytes()["host"]
+  topk_bytes = int(0.1 * 64 * 64 / 4) * 8
+  sign_bytes = 64 * 8 // 4 // 8 + 4
+  bias_bytes = 2 * (2 - 1) / 2 * 64 * 4 / 4  # dense reduce over host of the bias shard
+  assert host == pytest.approx(topk_bytes + sign_bytes + bias_bytes)
