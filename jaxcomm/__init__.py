@@ -14,7 +14,8 @@ from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold
 from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
 from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
-                           local_grad, local_value_and_grad, sharded_init, state_specs)
+                           local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
+                           state_specs)
 from jaxcomm.topology import make_mesh
 
 __version__ = "0.1.0"
@@ -25,7 +26,7 @@ __all__ = [
     "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed",
     "error_feedback", "hierarchical_allreduce", "identity", "launch", "level", "link", "links",
     "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "payload_nbytes",
-    "policy", "powersgd", "predict", "project", "qsgd", "quantize", "randomk", "selective",
+    "policy", "powersgd", "powersgd_allreduce", "predict", "project", "qsgd", "quantize", "randomk", "selective",
     "sharded_init", "sign", "sign_vote", "state_specs", "step_time", "terngrad", "threshold",
     "topk",
 ]

@@ -1,0 +1,129 @@
+"""PowerSGD's collective: exactness at full rank, convergence to the SVD, bytes, warm-up."""
+
+import functools
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jaxcomm
+
+AXES = ("host", "local")
+
+
+def _stepper(mesh, tx, params, steps):
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
+                     out_specs=(P(), specs))
+  def run(grads, opt_state):
+    outputs = []
+    for _ in range(steps):
+      update, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
+      outputs.append(update)
+    return jax.tree.map(lambda *u: jnp.stack(u), *outputs), opt_state
+
+  return run, state
+
+
+def _low_rank_grads(rank, shape=(24, 16), seed=0):
+  """Per-device gradients whose mean has rank ``rank``."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  left = jax.random.normal(keys[0], (shape[0], rank))
+  right = jax.random.normal(keys[1], (rank, shape[1]))
+  mixing = jax.random.normal(keys[2], (8, rank))
+  # Each device holds a different combination of the same rank-`rank` factors.
+  return jnp.einsum("dr,mr,rn->dmn", mixing, left, right)
+
+
+@pytest.mark.parametrize("rank", [1, 3])
+def test_rank_at_least_the_matrix_rank_reproduces_the_dense_mean(rank):
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  grads = {"w": _low_rank_grads(rank), "b": jax.random.normal(jax.random.PRNGKey(9), (8, 16))}
+  tx = jaxcomm.powersgd_allreduce(rank=rank, min_compression_rate=1.0)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=1)
+  outputs, new_state = run(grads, state)
+  chex.assert_trees_all_close(outputs["w"][0], jnp.mean(grads["w"], 0), atol=1e-4, rtol=1e-4)
+  chex.assert_trees_all_close(outputs["b"][0], jnp.mean(grads["b"], 0), atol=1e-6)
+  # Each host keeps its own difference to the average; nothing is left unsent in total.
+  residuals = new_state.leaves[1].residual.reshape(2, 24, 16)
+  chex.assert_trees_all_close(jnp.sum(residuals, 0), jnp.zeros((24, 16)), atol=1e-4)
+
+
+def test_warm_started_iterations_converge_to_the_best_rank_r_approximation():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  keys = jax.random.split(jax.random.PRNGKey(1), 3)
+  left, _ = jnp.linalg.qr(jax.random.normal(keys[0], (40, 30)))
+  right, _ = jnp.linalg.qr(jax.random.normal(keys[1], (30, 30)))
+  spectrum = jnp.array([6.0, 4.0] + [1.0 / (i + 1) for i in range(28)])  # gap 4 -> 1
+  target = (left * spectrum) @ right.T
+  noise = jax.random.normal(keys[2], (8, 40, 30))
+  grads = {"w": target + noise - jnp.mean(noise, 0)}  # per-device gradients, mean = target
+  mean = np.asarray(jnp.mean(grads["w"], 0))
+  u, s, vt = np.linalg.svd(mean)
+  rank = 2
+  best = (u[:, :rank] * s[:rank]) @ vt[:rank]
+  tx = jaxcomm.powersgd_allreduce(rank=rank, feedback=False)
+  run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=40)
+  outputs, _ = run(grads, state)
+  errors = [np.linalg.norm(np.asarray(o) - best) / np.linalg.norm(best) for o in outputs["w"]]
+  assert errors[0] > 0.1
+  assert errors[-1] < 1e-2, errors[-1]
+  assert np.linalg.norm(mean - np.asarray(outputs["w"][-1])) == pytest.approx(
+      np.linalg.norm(mean - best), rel=1e-3)
+
+
+def test_error_feedback_identity_over_steps():
+  """sum of outputs + the hosts' residuals == sum of the inputs' mean, step after step."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  grads = {"w": jax.random.normal(jax.random.PRNGKey(2), (8, 32, 32))}
+  tx = jaxcomm.powersgd_allreduce(rank=1)
+  run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=6)
+  outputs, new_state = run(grads, state)
+  residual_per_host = new_state.leaves[0].residual.reshape(2, 32, 32)
+  chex.assert_trees_all_close(jnp.sum(outputs["w"], 0) + jnp.sum(residual_per_host, 0),
+                              6 * jnp.mean(grads["w"], 0), atol=1e-4)
+
+
+def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  grads = {"w": jax.random.normal(jax.random.PRNGKey(3), (8, 64, 48)),
+           "b": jnp.ones((8, 48))}
+  tx = jaxcomm.powersgd_allreduce(rank=2, start_step=2)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=3)
+  outputs, _ = run(grads, state)
+  exact = jnp.mean(grads["w"], 0)
+  chex.assert_trees_all_close(outputs["w"][0], exact, atol=1e-5)
+  chex.assert_trees_all_close(outputs["w"][1], exact, atol=1e-5)
+  assert float(jnp.max(jnp.abs(outputs["w"][2] - exact))) > 1e-2
+
+  compressed = jaxcomm.powersgd_allreduce(rank=2)
+  run, state = _stepper(mesh, compressed, jax.tree.map(lambda g: g[0], grads), steps=1)
+  report = jaxcomm.accounting.measure(run, grads, state, mesh=mesh)
+  factor_bytes = 4 * 2 * (48 + 64)  # P (48 x 2: the (out, rest) view) and Q (64 x 2)
+  assert report.bytes_per_axes()[("host",)] == pytest.approx(
+      2 * (2 - 1) / 2 * (factor_bytes + 4 * 48))
+  assert report.bytes_per_axes()[("local",)] == pytest.approx(2 * 3 / 4 * 4 * (64 * 48 + 48))
+
+
+def test_non_finite_gradients_leave_the_state_finite():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  grads = {"w": jax.random.normal(jax.random.PRNGKey(4), (8, 16, 16)).at[3, 0, 0].set(jnp.nan)}
+  tx = jaxcomm.powersgd_allreduce(rank=1)
+  run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=1)
+  _, new_state = run(grads, state)
+  chex.assert_tree_all_finite(new_state.leaves[0])
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"rank": 0}, "rank"), ({"min_compression_rate": 0.0}, "min_compression_rate"),
+    ({"start_step": -1}, "start_step"), ({"epsilon": -1.0}, "epsilon"),
+    ({"fast_axis": "host"}, "must differ"), ({"feedback": 1}, "feedback"),
+])
+def test_bad_arguments(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    jaxcomm.powersgd_allreduce(**kwargs)
