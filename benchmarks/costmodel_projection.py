@@ -49,7 +49,7 @@ def methods(topk_fraction: float) -> list[tuple[str, object, str]]:
   rows = [("fp32-hier", None, "gather")]
   for label, compressor in ((f"top-{100 * topk_fraction:g}%", topk), ("int8", int8), ("sign", sign)):
     rows += [(f"{label} gather", compressor.wire_bytes, "gather"),
-             (f"{label} two-phase", compressor.wire_bytes, "two-phase")]
+             (f"{label} two-phase", compressor.wire_bytes, "two_phase")]
   return rows
 
 

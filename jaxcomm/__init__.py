@@ -13,6 +13,7 @@ from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold
                               selective, sign, sign_vote, terngrad, threshold, topk)
 from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
+from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
                            local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
                            state_specs)
@@ -21,12 +22,12 @@ from jaxcomm.topology import make_mesh
 __version__ = "0.1.0"
 
 __all__ = [
-    "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link",
+    "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
     "accounting", "adaptive_threshold", "cast", "collectives", "compose", "compress",
     "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed",
     "error_feedback", "hierarchical_allreduce", "identity", "launch", "level", "link", "links",
     "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "payload_nbytes",
-    "policy", "powersgd", "powersgd_allreduce", "predict", "project", "qsgd", "quantize", "randomk", "selective",
+    "plan", "policy", "powersgd", "powersgd_allreduce", "predict", "project", "qsgd", "quantize", "randomk", "selective",
     "sharded_init", "sign", "sign_vote", "state_specs", "step_time", "terngrad", "threshold",
     "topk",
 ]

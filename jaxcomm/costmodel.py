@@ -43,7 +43,7 @@ from jaxcomm.links import Link, link
 
 LinkLike = Link | str
 Shape = tuple[int, ...]
-STRATEGIES = ("gather", "two-phase")
+STRATEGIES = ("gather", "two_phase")
 
 
 class _Cost(NamedTuple):
@@ -370,7 +370,7 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
       ``2(H-1) alpha_s + 2(H-1)/H s b beta_s``;
     - ``'gather'``: all-gather of each device's ``c = wire_bytes((s,))`` payload,
       ``(H-1) alpha_s + (H-1) c beta_s`` (what :func:`jaxcomm.hierarchical_allreduce` runs);
-    - ``'two-phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
+    - ``'two_phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
       ``c_H = wire_bytes((ceil(s/H),))`` bytes each; all-to-all then all-gather of the
       re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
 
@@ -386,7 +386,7 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
     slow_link: the slow axis's link.
     wire_bytes: payload bytes of the slow-axis compressor, ``wire_bytes(shape, dtype)``, e.g.
       ``jaxcomm.topk(0.01).wire_bytes``; ``None`` for full precision.
-    strategy: ``'gather'`` or ``'two-phase'``: how compressed payloads cross the slow axis
+    strategy: ``'gather'`` or ``'two_phase'``: how compressed payloads cross the slow axis
       (full precision always uses the all-reduce).
     dtype: gradient dtype; sets ``b`` for the full-precision phases.
 

@@ -195,7 +195,7 @@ def _two_bytes_per_element(shape, dtype):
     # Gather of payloads of 6 and 2 bytes: 1 step each, (H-1) c = 6 + 2 bytes.
     (_two_bytes_per_element, "gather", 2, 8.0, 2 * 1.0 + 8 / 4),
     # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); all-to-all + gather.
-    (_two_bytes_per_element, "two-phase", 4, 12.0, 4 * 1.0 + 12 / 4),
+    (_two_bytes_per_element, "two_phase", 4, 12.0, 4 * 1.0 + 12 / 4),
 ])
 def test_project_on_hand_computed_cases(wire_bytes, strategy, slow_steps, slow_bytes,
                                         slow_seconds):
@@ -253,7 +253,7 @@ def test_grouped_query_attention_shrinks_key_and_value():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: costmodel.project([(8,)], 2, 4, FAST, SLOW, strategy="ring"),
-     "unknown strategy 'ring'; choose from gather, two-phase"),
+     "unknown strategy 'ring'; choose from gather, two_phase"),
     (lambda: costmodel.project([(8,)], 0, 4, FAST, SLOW), "hosts must be an int >= 1, got 0"),
     (lambda: costmodel.project([(8,)], 2, 4, "nvlink5", SLOW), "unknown link 'nvlink5'"),
     (lambda: costmodel.transformer_gradient_shapes("gpt-5"),
@@ -271,7 +271,7 @@ def test_projection_script_prints_one_table_per_slow_link(capsys):
   assert out.count("llama-7b on 4 hosts x 8 devices") == 2
   shapes = costmodel.transformer_gradient_shapes("llama-7b").values()
   sign = costmodel.project(shapes, 4, 8, "nvlink4", "1gbe", jaxcomm.sign().wire_bytes,
-                           strategy="two-phase")
+                           strategy="two_phase")
   assert f"{sign.total_seconds:>9.3f}" in out.split("\n\n")[1].split("sign two-phase")[1]
   for label in ("fp32 flat ring", "fp32-hier", "top-1% gather", "int8 two-phase"):
     assert out.count(f"\n{label} ") == 2
