@@ -15,6 +15,7 @@ from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
 from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
+                           dynamic_loss_scale,
                            local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
                            state_specs)
 from jaxcomm.topology import make_mesh
@@ -24,7 +25,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
     "accounting", "adaptive_threshold", "cast", "collectives", "compose", "compress",
-    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed",
+    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed", "dynamic_loss_scale",
     "error_feedback", "hierarchical_allreduce", "identity", "launch", "level", "link", "links",
     "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "payload_nbytes",
     "plan", "policy", "powersgd", "powersgd_allreduce", "predict", "project", "qsgd", "quantize", "randomk", "selective",
