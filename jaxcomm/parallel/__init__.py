@@ -1,0 +1,22 @@
+"""Sequence parallelism: ring attention, Ulysses, layouts and sequence-parallel helpers."""
+
+from jaxcomm.parallel.blocks import block_backward, block_forward, cudnn_supports, merge_partials, select_implementation
+from jaxcomm.parallel.layouts import LAYOUTS, BlockKind, block_schedule, from_layout, layout_permutation, shard_positions, tile_counts, to_layout
+from jaxcomm.parallel.ring_attention import ring_attention
+
+__all__ = [
+    "LAYOUTS",
+    "BlockKind",
+    "block_backward",
+    "block_forward",
+    "block_schedule",
+    "cudnn_supports",
+    "from_layout",
+    "layout_permutation",
+    "merge_partials",
+    "ring_attention",
+    "select_implementation",
+    "shard_positions",
+    "tile_counts",
+    "to_layout",
+]
