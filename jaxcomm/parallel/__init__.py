@@ -1,8 +1,9 @@
 """Sequence parallelism: ring attention, Ulysses, layouts and sequence-parallel helpers."""
 
-from jaxcomm.parallel.blocks import block_backward, block_forward, cudnn_supports, merge_partials, select_implementation
+from jaxcomm.parallel.blocks import block_backward, block_forward, cudnn_supports, dense_attention, merge_partials, select_implementation
 from jaxcomm.parallel.layouts import LAYOUTS, BlockKind, block_schedule, from_layout, layout_permutation, shard_positions, tile_counts, to_layout
 from jaxcomm.parallel.ring_attention import ring_attention
+from jaxcomm.parallel.ulysses import hybrid_attention, ulysses_attention
 
 __all__ = [
     "LAYOUTS",
@@ -11,7 +12,9 @@ __all__ = [
     "block_forward",
     "block_schedule",
     "cudnn_supports",
+    "dense_attention",
     "from_layout",
+    "hybrid_attention",
     "layout_permutation",
     "merge_partials",
     "ring_attention",
@@ -19,4 +22,5 @@ __all__ = [
     "shard_positions",
     "tile_counts",
     "to_layout",
+    "ulysses_attention",
 ]

@@ -22,6 +22,7 @@ References:
 
 from __future__ import annotations
 
+import functools
 from typing import Literal
 
 import jax
@@ -138,6 +139,34 @@ def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
   except (RuntimeError, ValueError, NotImplementedError):
     # cuDNN rejects some shapes/versions at trace time; the XLA kernel computes the same thing.
     return _forward_xla(q, k, v, scale, mask)
+
+
+def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float | None = None,
+                    causal: bool = False, implementation: str | None = None) -> jax.Array:
+  """Unsharded attention, ``jax.nn.dot_product_attention`` with the same kernel choice.
+
+  ``implementation=None`` takes cuDNN where ``cudnn_supports`` says so and falls back to XLA
+  when cuDNN refuses the call; differentiable through JAX's own VJP of either kernel.
+
+  Args:
+    q: ``(B, S, H, D)``; k, v: ``(B, S, H_kv, D)``.
+    scale: score multiplier; defaults to ``D ** -0.5``.
+    causal: causal mask over the (natural-order) sequence.
+    implementation: ``None``, ``'xla'`` or ``'cudnn'``.
+
+  Returns:
+    ``(B, S, H, D)`` in ``q.dtype``.
+  """
+  attend = functools.partial(jax.nn.dot_product_attention, q, k, v, scale=scale,
+                             is_causal=causal)
+  chosen = select_implementation(implementation, q.dtype, q.shape[-1],
+                                 "causal" if causal else None)
+  if chosen == "xla" or implementation == "cudnn":
+    return attend(implementation=chosen)
+  try:
+    return attend(implementation="cudnn")
+  except (RuntimeError, ValueError, NotImplementedError):
+    return attend(implementation="xla")
 
 
 def block_backward(q: jax.Array, k: jax.Array, v: jax.Array, d_out: jax.Array, lse: jax.Array,
