@@ -56,8 +56,14 @@ def cudnn_supports(dtype, head_dim: int, mask: Mask, backend: str | None = None)
 
 def select_implementation(implementation: str | None, dtype, head_dim: int, mask: Mask,
                           backend: str | None = None) -> str:
-  """Resolves ``None`` (automatic) to ``'cudnn'`` where supported, else ``'xla'``."""
+  """Resolves ``None`` (automatic) to ``'cudnn'`` where supported, else ``'xla'``.
+
+  A ``'strict'`` mask always resolves to ``'xla'``: cuDNN's causal mask includes the diagonal,
+  so even an explicit ``'cudnn'`` cannot run the striped layout's strictly-causal blocks.
+  """
   check_implementation(implementation)
+  if mask == "strict":
+    return "xla"
   if implementation is not None:
     return implementation
   return "cudnn" if cudnn_supports(dtype, head_dim, mask, backend) else "xla"
@@ -123,8 +129,9 @@ def block_forward(q: jax.Array, k: jax.Array, v: jax.Array, *, scale: float, mas
     v: values ``(B, Sk, H_kv, D)``.
     scale: multiplier of the scores, usually ``D ** -0.5``.
     mask: ``None``, ``'causal'`` (key ``j <= i``) or ``'strict'`` (key ``j < i``), local indices.
-    implementation: ``'xla'`` (pure ``jax.numpy``), ``'cudnn'`` (required; errors propagate)
-      or ``None``: cuDNN where ``cudnn_supports`` says so and the call is accepted, else XLA.
+    implementation: ``'xla'`` (pure ``jax.numpy``), ``'cudnn'`` (required; errors propagate;
+      ``'strict'`` blocks still use XLA) or ``None``: cuDNN where ``cudnn_supports`` says so
+      and the call is accepted, else XLA.
 
   Returns:
     ``(out, lse)``: normalized output ``(B, Sq, H, D)`` and log-sum-exp ``(B, Sq, H)``, fp32.

@@ -66,6 +66,8 @@ def test_selection_on_gpu_follows_cudnn_constraints():
   assert blocks.select_implementation(None, jnp.bfloat16, 64, "strict", backend="gpu") == "xla"
   assert blocks.select_implementation(None, jnp.bfloat16, 12, None, backend="gpu") == "xla"
   assert blocks.select_implementation("xla", jnp.bfloat16, 64, None, backend="gpu") == "xla"
+  # cuDNN cannot express j < i: even when asked for explicitly, those blocks run on XLA.
+  assert blocks.select_implementation("cudnn", jnp.bfloat16, 64, "strict", backend="gpu") == "xla"
 
 
 def test_automatic_cudnn_falls_back_to_xla_when_cudnn_refuses(monkeypatch):
