@@ -28,8 +28,9 @@ def _whole_and_merged(q, k, v, cut):
   return whole, blocks.merge_partials(*first, *second)
 
 
-@hypothesis.settings(max_examples=10, deadline=None, derandomize=True)
-@hypothesis.given(cut=st.integers(1, 9), seed=st.integers(0, 99))
+# A few cut points (each compiles once), many random inputs per cut.
+@hypothesis.settings(max_examples=12, deadline=None, derandomize=True)
+@hypothesis.given(cut=st.sampled_from([1, 4, 9]), seed=st.integers(0, 2**16))
 def test_merging_two_key_sets_equals_attending_to_both(cut, seed):
   q, k, v = _qkv(5, 10, seed=seed)
   (whole, whole_lse), (merged, merged_lse) = _whole_and_merged(q, k, v, cut)

@@ -61,13 +61,13 @@ def _check_exact(size, layout, causal, seq, heads=4, kv_heads=2):
     assert _max_rel_err(a, b) <= 1e-5, (name, _max_rel_err(a, b))
 
 
-# Every (P, layout) pair under a causal mask, where the layouts differ, each with its own
+# Every (P > 1, layout) pair under a causal mask, where the layouts differ, each with its own
 # sequence length (none a power of two) and head grouping (MHA, GQA, MQA); the unmasked ring is
 # layout independent, so it is covered on one layout per P.
 # Striped blocks from a later device leave a query row fully masked (lse = -inf): a NaN from
 # merging it would fail the error bound (NaN <= tol is False).
 _CAUSAL_CASES = [
-    (1, "contiguous", 12, (4, 4)), (1, "zigzag", 10, (4, 2)), (1, "striped", 7, (6, 3)),
+    (1, "striped", 7, (6, 3)),  # one device: every layout is the identity
     (2, "contiguous", 18, (4, 1)), (2, "zigzag", 20, (4, 4)), (2, "striped", 14, (4, 2)),
     (4, "contiguous", 20, (6, 3)), (4, "zigzag", 24, (4, 1)), (4, "striped", 28, (4, 4)),
     (8, "contiguous", 40, (4, 2)), (8, "zigzag", 48, (6, 3)), (8, "striped", 24, (4, 1)),
