@@ -4,7 +4,8 @@ For every sequence length and device count it compiles the forward and backward 
 (``jax.vjp``) of ``ring_attention`` or ``ulysses_attention`` over a 1-D mesh, reads the
 per-device temporary memory from ``compiled.memory_analysis()``, and times the median of
 ``--repeats`` runs after one warm-up. The reference row ``ref`` is
-``jax.nn.dot_product_attention`` on one device with the whole sequence.
+``jax.nn.dot_product_attention`` on one device with the whole sequence (cuDNN on a GPU where
+it applies, XLA elsewhere: ``jaxcomm.parallel.dense_attention``).
 
 On CPU the devices are simulated (``jax_num_cpu_devices``): all of them share the host's
 cores, so wall time for P > 1 measures total work plus collectives, not a parallel speedup.
@@ -28,7 +29,7 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.parallel import ring_attention, ulysses_attention
+from jaxcomm.parallel import dense_attention, ring_attention, ulysses_attention
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -110,7 +111,8 @@ def main(argv=None) -> None:
     kv_shape = (options.batch, seq, options.kv_heads, options.head_dim)
     args = (jax.random.normal(keys[0], q_shape, dtype), jax.random.normal(keys[1], kv_shape, dtype),
             jax.random.normal(keys[2], kv_shape, dtype), jax.random.normal(keys[3], q_shape, dtype))
-    reference = functools.partial(jax.nn.dot_product_attention, is_causal=options.causal)
+    # cuDNN flash attention on a GPU where it applies, XLA elsewhere (as the ring's blocks).
+    reference = functools.partial(dense_attention, causal=options.causal)
     ref_time, ref_temp = _measure(reference, args, options.repeats)
     tokens = options.batch * seq
     print(f"| {seq} | ref | {1e3 * ref_time:.1f} | {tokens / ref_time:,.0f} | "

@@ -1,9 +1,13 @@
 """Sequence parallelism: ring attention, Ulysses, layouts and sequence-parallel helpers."""
 
-from jaxcomm.parallel.blocks import block_backward, block_forward, cudnn_supports, dense_attention, merge_partials, select_implementation
-from jaxcomm.parallel.layouts import LAYOUTS, BlockKind, block_schedule, from_layout, layout_permutation, shard_positions, tile_counts, to_layout
+from jaxcomm.parallel.blocks import (block_backward, block_forward, cudnn_supports,
+                                     dense_attention, merge_partials, select_implementation)
+from jaxcomm.parallel.layouts import (LAYOUTS, BlockKind, block_schedule, from_layout,
+                                      layout_permutation, shard_positions, tile_counts,
+                                      to_layout)
 from jaxcomm.parallel.ring_attention import ring_attention
-from jaxcomm.parallel.sequence_parallel import gather_sequence, reduce_scatter_sequence, split_sequence
+from jaxcomm.parallel.sequence_parallel import (gather_sequence, reduce_scatter_sequence,
+                                                split_sequence)
 from jaxcomm.parallel.ulysses import hybrid_attention, ulysses_attention
 
 __all__ = [

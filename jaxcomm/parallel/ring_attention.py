@@ -35,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.parallel import _checks
-from jaxcomm.parallel.blocks import block_backward, block_forward, check_implementation, merge_partials
+from jaxcomm.parallel.blocks import (block_backward, block_forward, check_implementation,
+                                     merge_partials)
 from jaxcomm.parallel.layouts import BlockKind, block_schedule, check_layout, chunks_per_shard
 
 

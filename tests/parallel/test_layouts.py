@@ -1,7 +1,6 @@
 """Layouts: permutations, positions, the causal block schedule and its load balance."""
 
 import hypothesis
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

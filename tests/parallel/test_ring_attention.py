@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.parallel import LAYOUTS, from_layout, ring_attention, to_layout
+from jaxcomm.parallel import from_layout, ring_attention, to_layout
 
 
 def _mesh(size, name="seq"):
