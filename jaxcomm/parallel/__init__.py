@@ -1,0 +1,34 @@
+"""Sequence parallelism: ring attention, Ulysses, layouts and sequence-parallel helpers."""
+
+from jaxcomm.parallel.blocks import (block_backward, block_forward, cudnn_supports,
+                                     dense_attention, merge_partials, select_implementation)
+from jaxcomm.parallel.layouts import (LAYOUTS, BlockKind, block_schedule, from_layout,
+                                      layout_permutation, shard_positions, tile_counts,
+                                      to_layout)
+from jaxcomm.parallel.ring_attention import ring_attention
+from jaxcomm.parallel.sequence_parallel import (gather_sequence, reduce_scatter_sequence,
+                                                split_sequence)
+from jaxcomm.parallel.ulysses import hybrid_attention, ulysses_attention
+
+__all__ = [
+    "LAYOUTS",
+    "BlockKind",
+    "block_backward",
+    "block_forward",
+    "block_schedule",
+    "cudnn_supports",
+    "dense_attention",
+    "from_layout",
+    "gather_sequence",
+    "hybrid_attention",
+    "layout_permutation",
+    "merge_partials",
+    "reduce_scatter_sequence",
+    "ring_attention",
+    "select_implementation",
+    "shard_positions",
+    "split_sequence",
+    "tile_counts",
+    "to_layout",
+    "ulysses_attention",
+]
