@@ -5,7 +5,7 @@ compressed, with error feedback, over the slow axis (between hosts).
 """
 
 from jaxcomm import (accounting, collectives, compress, costmodel, distributed, launch, links,
-                     optim)
+                     optim, parallel)
 from jaxcomm.collectives import Level, hierarchical_allreduce, level
 from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold, cast,
                               compose, count_sketch, error_feedback, identity, natural,
@@ -13,6 +13,9 @@ from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold
                               selective, sign, sign_vote, terngrad, threshold, topk)
 from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
+from jaxcomm.parallel import (dense_attention, from_layout, gather_sequence, hybrid_attention,
+                              reduce_scatter_sequence, ring_attention, shard_positions,
+                              split_sequence, tile_counts, to_layout, ulysses_attention)
 from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
                            dynamic_loss_scale,
@@ -25,10 +28,12 @@ __version__ = "0.1.0"
 __all__ = [
     "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
     "accounting", "adaptive_threshold", "cast", "collectives", "compose", "compress",
-    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "distributed", "dynamic_loss_scale",
-    "error_feedback", "hierarchical_allreduce", "identity", "launch", "level", "link", "links",
-    "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "payload_nbytes",
-    "plan", "policy", "powersgd", "powersgd_allreduce", "predict", "project", "qsgd", "quantize", "randomk", "selective",
-    "sharded_init", "sign", "sign_vote", "state_specs", "step_time", "terngrad", "threshold",
-    "topk",
+    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "dense_attention",
+    "distributed", "dynamic_loss_scale", "error_feedback", "from_layout", "gather_sequence",
+    "hierarchical_allreduce", "hybrid_attention", "identity", "launch", "level", "link", "links",
+    "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "parallel",
+    "payload_nbytes", "plan", "policy", "powersgd", "powersgd_allreduce", "predict", "project",
+    "qsgd", "quantize", "randomk", "reduce_scatter_sequence", "ring_attention", "selective",
+    "shard_positions", "sharded_init", "sign", "sign_vote", "split_sequence", "state_specs",
+    "step_time", "terngrad", "threshold", "tile_counts", "to_layout", "topk", "ulysses_attention",
 ]
