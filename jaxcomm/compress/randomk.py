@@ -52,8 +52,14 @@ def randomk_count(size: int, fraction: float) -> int:
 
 
 def random_indices(key: jax.Array, size: int, count: int) -> jax.Array:
-  """``count`` distinct positions in ``[0, size)``, uniformly at random, as int32."""
-  return jax.random.choice(key, size, (count,), replace=False).astype(jnp.int32)
+  """``count`` distinct positions in ``[0, size)``, a uniformly random subset, as int32.
+
+  The positions of the ``count`` largest of ``size`` random 32-bit words: one partial sort,
+  several times faster than ``jax.random.choice(replace=False)``, which permutes all ``size``
+  positions. (Equal words, rare, go to the lower position.)
+  """
+  words = jax.random.bits(key, (size,), jnp.uint32)
+  return jax.lax.top_k(words, count)[1].astype(jnp.int32)
 
 
 def randomk(fraction: float, *, shared: bool = True, scale: bool = True,

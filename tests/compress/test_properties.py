@@ -44,6 +44,7 @@ def _sq(x):
 UNBIASED = {
     # name: (compressor, variance bound as a multiple of ||x||^2)
     "qsgd": (qsgd(4), min(SIZE / 16, math.sqrt(SIZE) / 4)),
+    "qsgd_bucketed": (qsgd(2, bucket=5), min(5 / 4, math.sqrt(5) / 2)),
     "terngrad": (terngrad(), float(jnp.max(jnp.abs(X))) * _l1(X) / _sq(X) - 1.0),
     "natural": (natural(), 1.0 / 8.0),
     "int4": (quantize(4), SIZE * (2 * float(jnp.max(jnp.abs(X))) / 14) ** 2 / 4 / _sq(X)),
@@ -211,17 +212,18 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
   x = 0.01 * jax.random.normal(jax.random.PRNGKey(4), (size,))
   x = x.at[spikes].set(jnp.array([10.0, -8.0, 6.0, -12.0, 9.0]))
   compressor = count_sketch(64, 5, heavy=5 / size)
-  payload, _ = compressor.encode(x, (), None)
+  state = compressor.init((size,), jnp.float32)
+  encode = jax.jit(lambda x: compressor.encode(x, state, None)[0])
+  payload = encode(x)
   recovered = compressor.decode(payload, (size,))
   np.testing.assert_array_equal(np.nonzero(np.asarray(recovered))[0], spikes)
   np.testing.assert_allclose(recovered[spikes], x[spikes], atol=0.1)
-  other, _ = compressor.encode(jnp.flip(x), (), None)
-  of_sum, _ = compressor.encode(x + jnp.flip(x), (), None)
-  chex.assert_trees_all_close(sum_payloads(jax.tree.map(lambda a, b: jnp.stack([a, b]),
-                                                        payload, other)), of_sum, atol=1e-5)
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), payload, encode(jnp.flip(x)))
+  chex.assert_trees_all_close(sum_payloads(stacked), encode(x + jnp.flip(x)), atol=1e-5)
   single_row = count_sketch(32, 1)
-  first, second = single_row.encode(x, (), None)[0], single_row.encode(2 * x, (), None)[0]
-  np.testing.assert_allclose(single_row.decode(first._replace(table=first.table + second.table),
-                                               (size,)),
+  state = single_row.init((size,), jnp.float32)
+  first, second = single_row.encode(x, state, None)[0], single_row.encode(2 * x, state, None)[0]
+  both = sum_payloads(jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second))
+  np.testing.assert_allclose(single_row.decode(both, (size,)),
                              single_row.decode(first, (size,)) + single_row.decode(second, (size,)),
                              atol=1e-5)
