@@ -40,13 +40,32 @@ def sketch_hashes(key: jax.Array, size: int, depth: int,
                   width: int) -> tuple[jax.Array, jax.Array]:
   """Buckets ``h_j(i)`` (int32) and signs ``s_j(i)`` (float32 +-1), both ``(depth, size)``.
 
-  Every device computes the same ones from the shared key, which is what makes sketches
-  summable.
+  One random 32-bit word per (row, element) from the shared key: the low bit is the sign, the
+  rest modulo ``width`` the bucket (a bias below ``width / 2^31``). Every device computes the
+  same ones, which is what makes sketches summable.
   """
-  bucket_key, sign_key = jax.random.split(key)
-  buckets = jax.random.randint(bucket_key, (depth, size), 0, width, jnp.int32)
-  signs = jnp.where(jax.random.bernoulli(sign_key, 0.5, (depth, size)), 1.0, -1.0)
+  words = jax.random.bits(key, (depth, size), jnp.uint32)
+  buckets = ((words >> 1) % width).astype(jnp.int32)
+  signs = jnp.where((words & 1) == 1, 1.0, -1.0)
   return buckets, signs
+
+
+def median_of_rows(rows: jax.Array) -> jax.Array:
+  """Median over axis 0 of a ``(depth, n)`` array, by a sorting network of min/max.
+
+  ``depth`` is small, so ``depth^2 / 2`` elementwise compare-exchanges are far cheaper than a
+  sort along a length-``depth`` axis (XLA's CPU sort is slow for that layout).
+  """
+  ordered = list(rows)
+  for sweep in range(len(ordered)):
+    for index in range(len(ordered) - 1 - sweep):
+      low = jnp.minimum(ordered[index], ordered[index + 1])
+      high = jnp.maximum(ordered[index], ordered[index + 1])
+      ordered[index], ordered[index + 1] = low, high
+  middle = len(ordered) // 2
+  if len(ordered) % 2:
+    return ordered[middle]
+  return 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
@@ -106,7 +125,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
     buckets, signs = sketch_hashes(payload.key, size, depth, width)
-    estimates = jnp.median(signs * payload.table[rows, buckets], axis=0)
+    estimates = median_of_rows(signs * payload.table[rows, buckets])
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
       _, indices = jax.lax.top_k(jnp.abs(estimates), kept)
