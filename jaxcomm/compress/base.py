@@ -94,11 +94,11 @@ def sum_payloads(payloads: Payload) -> Payload:
     One payload: the leaf-wise sum over the leading axis.
   """
   keep = replicated_fields(payloads)
+  summed = lambda leaf: jnp.sum(_widen(leaf), axis=0)
   if keep:
-    return type(payloads)(**{
-        field: leaf[0] if field in keep else jax.tree.map(lambda a: jnp.sum(_widen(a), axis=0), leaf)
-        for field, leaf in zip(payloads._fields, payloads)})
-  return jax.tree.map(lambda leaf: jnp.sum(_widen(leaf), axis=0), payloads)
+    return type(payloads)(**{field: leaf[0] if field in keep else jax.tree.map(summed, leaf)
+                             for field, leaf in zip(payloads._fields, payloads)})
+  return jax.tree.map(summed, payloads)
 
 
 def psum_payload(payload: Payload, axis_name: str) -> Payload:

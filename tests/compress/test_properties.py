@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
-                              natural, powersgd, psum_payload, qsgd, quantize, randomk, sign,
-                              sum_payloads, terngrad, threshold, topk)
+                              identity, natural, psum_payload, qsgd, quantize, randomk,
+                              sign, sum_payloads, terngrad, threshold, topk)
 
 SIZE = 16
 SAMPLES = 4000
@@ -115,6 +115,22 @@ def test_shared_randomk_is_linear_and_psum_matches():
   psummed = jax.vmap(lambda p: psum_payload(p, "devices"), axis_name="devices")(payloads)
   chex.assert_trees_all_close(jax.tree.map(lambda leaf: leaf[1], psummed), summed)
   np.testing.assert_array_equal(states.key[0], states.key[2])
+
+
+@pytest.mark.parametrize(
+    "compressor", [identity(), cast(jnp.bfloat16), cast(jnp.float16, axis_size=3)],
+    ids=lambda compressor: compressor.name)
+def test_linear_casts_sum_like_their_inputs(compressor):
+  assert compressor.linear
+  inputs = jnp.stack([X, jnp.flip(X), -0.5 * X])
+  payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None))(inputs, (), None)
+  decoded = jax.vmap(lambda p: compressor.decode(p, X.shape))(payloads)
+  of_sum = compressor.decode(compressor.encode(inputs.sum(0), (), None)[0], X.shape)
+  summed = compressor.decode(sum_payloads(payloads), X.shape)
+  # Exact for identity; within the dtype's rounding of the sum for casts.
+  tolerance = 4 * float(jnp.finfo(jnp.asarray(payloads).dtype).eps) * 3
+  np.testing.assert_allclose(summed, decoded.sum(0), rtol=tolerance, atol=tolerance)
+  np.testing.assert_allclose(summed, of_sum, rtol=tolerance, atol=tolerance)
 
 
 def test_cast_guard_sums_without_overflow_and_saturates():
