@@ -12,7 +12,8 @@ from jaxcomm.compress.policy import CompressionPolicy, Rule, policy
 from jaxcomm.compress.powersgd import (PowerSGDPayload, PowerSGDState, back_project,
                                        orthogonalize, powersgd, project)
 from jaxcomm.compress.qsgd import QSGDPayload, qsgd
-from jaxcomm.compress.quantize import QuantizedPayload, quantize
+from jaxcomm.compress.quantize import (QuantizedPayload, SharedScalePayload, quantize,
+                                       shared_quantize)
 from jaxcomm.compress.randomk import (RandomKPayload, RandomKState, SharedRandomKPayload,
                                       randomk)
 from jaxcomm.compress.selective import GradientStatistics, SelectiveCompression, selective
@@ -27,10 +28,11 @@ __all__ = [
     "CountSketchPayload", "CountSketchState", "ErrorFeedbackState", "GradientStatistics",
     "NaturalPayload", "PowerSGDPayload", "PowerSGDState", "QSGDPayload", "QuantizedPayload",
     "RandomKPayload", "RandomKState", "Rule", "ScaledCastPayload", "SelectiveCompression",
-    "SharedRandomKPayload", "SignPayload", "TernGradPayload", "ThresholdPayload", "TopKPayload",
-    "VotePayload", "adaptive_threshold", "back_project", "cast", "compose", "count_sketch",
-    "error_feedback", "identity", "majority_vote", "natural", "orthogonalize", "pack_bits",
-    "packed_nbytes", "payload_nbytes", "policy", "powersgd", "project", "psum_payload", "qsgd",
-    "quantize", "randomk", "replicated_fields", "selective", "sign", "sign_vote",
-    "sum_payloads", "terngrad", "threshold", "topk", "unpack_bits",
+    "SharedRandomKPayload", "SharedScalePayload", "SignPayload", "TernGradPayload",
+    "ThresholdPayload", "TopKPayload", "VotePayload", "adaptive_threshold", "back_project",
+    "cast", "compose", "count_sketch", "error_feedback", "identity", "majority_vote", "natural",
+    "orthogonalize", "pack_bits", "packed_nbytes", "payload_nbytes", "policy", "powersgd",
+    "project", "psum_payload", "qsgd", "quantize", "randomk", "replicated_fields", "selective",
+    "shared_quantize", "sign", "sign_vote", "sum_payloads", "terngrad", "threshold", "topk",
+    "unpack_bits",
 ]

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
-                              identity, natural, psum_payload, qsgd, quantize, randomk,
-                              sign, sum_payloads, terngrad, threshold, topk)
+                              identity, natural, payload_nbytes, psum_payload, qsgd, quantize,
+                              randomk, shared_quantize, sign, sum_payloads, terngrad, threshold,
+                              topk)
 
 SIZE = 16
 SAMPLES = 4000
@@ -243,3 +244,46 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
   np.testing.assert_allclose(single_row.decode(both, (size,)),
                              single_row.decode(first, (size,)) + single_row.decode(second, (size,)),
                              atol=1e-5)
+
+
+def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
+  compressor = shared_quantize("devices", 4)
+  inputs = jnp.stack([X, jnp.flip(X), 3.0 * X, -X])
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+
+  def device(x, key):
+    payload, _ = compressor.encode(x, (), key)
+    return payload, psum_payload(payload, "devices"), compressor.decode(payload, X.shape)
+
+  payloads, psummed, decoded = jax.jit(jax.vmap(device, axis_name="devices"))(inputs, keys)
+  assert payload_nbytes(jax.tree.map(lambda leaf: leaf[0], payloads)) == SIZE + 4
+  assert compressor.wire_bytes(X.shape, jnp.float32) == SIZE + 4
+  np.testing.assert_allclose(payloads.scale, 3.0 * float(jnp.max(jnp.abs(X))), rtol=1e-6)
+  assert int(jnp.max(jnp.abs(payloads.codes.astype(jnp.int32)))) <= 127 // 4
+  summed = sum_payloads(payloads)
+  assert summed.codes.dtype == jnp.int8 and psummed.codes.dtype == jnp.int8
+  chex.assert_trees_all_equal(jax.tree.map(lambda leaf: leaf[2], psummed), summed)
+  np.testing.assert_allclose(compressor.decode(summed, X.shape), decoded.sum(0), rtol=1e-6,
+                             atol=1e-6)
+  single = jax.vmap(lambda key: jax.vmap(device, axis_name="devices")(X[None], key[None])[2][0])
+  many = np.asarray(jax.jit(single)(jax.random.split(jax.random.PRNGKey(1), SAMPLES)))
+  step = float(jnp.max(jnp.abs(X))) / 31
+  # Per element the rounding has standard deviation at most step / 2 (a skewed Bernoulli when
+  # x sits near a grid point, so the bound, not the sample std, sets the tolerance).
+  np.testing.assert_array_less(np.abs(many.mean(0) - np.asarray(X)),
+                               5 * (step / 2) / math.sqrt(SAMPLES))
+  assert np.mean(np.sum((many - np.asarray(X)) ** 2, axis=1)) <= SIZE * step**2 / 4
+
+
+def test_shared_quantize_nonfinite_on_one_device_is_flagged_on_all():
+  wrapped = error_feedback(shared_quantize("devices", 2))
+  state = wrapped.init(X.shape, X.dtype)
+  inputs = jnp.stack([X, X.at[0].set(jnp.nan)])
+  _, states = jax.vmap(wrapped.encode, in_axes=(0, None, None), axis_name="devices")(
+      inputs, state, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(states.finite[:, 0], [False, False])
+  np.testing.assert_array_equal(states.residual, 0.0)
+  with pytest.raises(ValueError, match="axis_size"):
+    shared_quantize("devices", 128)
+  with pytest.raises(TypeError, match="scale_axis"):
+    shared_quantize(None, 2)
