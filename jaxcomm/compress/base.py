@@ -38,10 +38,12 @@ class Compressor(NamedTuple):
     decode: ``decode(payload, shape) -> jax.Array`` of dtype float32 and that shape.
     wire_bytes: ``wire_bytes(shape, dtype) -> int``, the payload's bytes from the closed-form
       formula in the compressor's docstring (tests check it against the real payload).
-    linear: whether payloads may be summed before decoding: with the same state and key,
-      ``encode(x1) + encode(x2) == encode(x1 + x2)`` leaf by leaf (see :func:`sum_payloads`),
-      so a ``psum`` of payloads is the payload of the sum and can replace a gather. Where the
-      decoder is itself linear, ``decode(p1 + p2) == decode(p1) + decode(p2)`` too.
+    linear: whether payloads may be summed before decoding: the payload is additive in the
+      encoded input, ``encode(x1) + encode(x2) == encode(x1 + x2)`` leaf by leaf (see
+      :func:`sum_payloads`) when the shared parts of the state (keys, agreed scales) are the
+      same, so a ``psum`` of the devices' payloads is the payload of the sum of their inputs
+      and can replace a gather. Where the decoder is itself linear,
+      ``decode(p1 + p2) == decode(p1) + decode(p2)`` too.
     unbiased: whether ``E[decode(encode(x))] == x`` over the key.
     name: a short human-readable name, e.g. ``'topk(0.01)'``.
   """

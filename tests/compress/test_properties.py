@@ -287,3 +287,19 @@ def test_shared_quantize_nonfinite_on_one_device_is_flagged_on_all():
     shared_quantize("devices", 128)
   with pytest.raises(TypeError, match="scale_axis"):
     shared_quantize(None, 2)
+
+
+def test_error_feedback_around_a_linear_compressor_sums_the_corrected_inputs():
+  wrapped = error_feedback(randomk(0.25))
+  assert wrapped.linear and not wrapped.unbiased
+  assert not error_feedback(topk(0.25)).linear
+  state = wrapped.init(X.shape, X.dtype)
+  residuals = jnp.stack([0.1 * X, -0.2 * jnp.flip(X)])
+  inputs = jnp.stack([X, 2.0 * X])
+  states = jax.vmap(lambda r: state._replace(residual=r))(residuals)
+  payloads, _ = jax.vmap(wrapped.encode, in_axes=(0, 0, None))(inputs, states,
+                                                                jax.random.PRNGKey(0))
+  summed = wrapped.decode(sum_payloads(payloads), X.shape)
+  direct, _ = randomk(0.25).encode((inputs + residuals).sum(0), state.inner, None)
+  np.testing.assert_allclose(summed, randomk(0.25).decode(direct, X.shape), rtol=1e-5,
+                             atol=1e-6)
