@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
-                              identity, natural, payload_nbytes, psum_payload, qsgd, quantize,
-                              randomk, shared_quantize, sign, sum_payloads, terngrad, threshold,
-                              topk)
+                              identity, natural, pack_bits, packed_nbytes, payload_nbytes,
+                              psum_payload, qsgd, quantize, randomk, shared_quantize, sign,
+                              sum_payloads, terngrad, threshold, topk, unpack_bits)
 
 SIZE = 16
 SAMPLES = 4000
@@ -303,3 +303,21 @@ def test_error_feedback_around_a_linear_compressor_sums_the_corrected_inputs():
   direct, _ = randomk(0.25).encode((inputs + residuals).sum(0), state.inner, None)
   np.testing.assert_allclose(summed, randomk(0.25).decode(direct, X.shape), rtol=1e-5,
                              atol=1e-6)
+
+
+def test_pack_unpack_round_trips_every_width_and_odd_count():
+  rng = np.random.default_rng(3)
+  cases = {(bits, count): rng.integers(0, 2**bits, count).astype(np.uint8)
+           for bits in range(1, 9) for count in (1, 7, 13)}
+
+  @jax.jit
+  def round_trip(cases):
+    return {case: (pack_bits(codes, case[0]), unpack_bits(pack_bits(codes, case[0]), *case))
+            for case, codes in cases.items()}
+
+  for (bits, count), (packed, unpacked) in round_trip(cases).items():
+    assert packed.dtype == jnp.uint8 and packed.shape == (packed_nbytes(count, bits),)
+    np.testing.assert_array_equal(unpacked, cases[bits, count])
+  # Earlier codes take the lower bits of a byte.
+  np.testing.assert_array_equal(pack_bits(jnp.array([1, 0, 0, 0, 0, 0, 0, 1]), 1), [0x81])
+  np.testing.assert_array_equal(pack_bits(jnp.array([3, 0, 1]), 2), [0b010011])
