@@ -127,7 +127,9 @@ def main() -> None:
   parser.add_argument("--mlp-hidden", type=int, default=1024,
                       help="hidden width of the MLP whose gradients are compressed "
                            "(0 to skip); default 1024, about 1.86M parameters")
-  parser.add_argument("--repeats", type=int, default=3, help="timed runs per case (median)")
+  parser.add_argument("--repeats", type=int, default=3,
+                      help="timed runs per case after one compiling run; the median is "
+                           "reported (default 3)")
   parser.add_argument("--only", default="",
                       help="regular expression: measure only compressors whose name matches")
   args = parser.parse_args()

@@ -321,3 +321,13 @@ def test_pack_unpack_round_trips_every_width_and_odd_count():
   # Earlier codes take the lower bits of a byte.
   np.testing.assert_array_equal(pack_bits(jnp.array([1, 0, 0, 0, 0, 0, 0, 1]), 1), [0x81])
   np.testing.assert_array_equal(pack_bits(jnp.array([3, 0, 1]), 2), [0b010011])
+
+
+def test_composed_errors_add_over_disjoint_supports():
+  compressor = compose(topk(0.25), quantize(4, stochastic=False))
+  payload, _ = compressor.encode(X, compressor.init(X.shape, X.dtype), jax.random.PRNGKey(0))
+  sparse, _ = topk(0.25).encode(X, (), None)
+  quantizer = quantize(4, stochastic=False)
+  values = quantizer.decode(quantizer.encode(sparse.values, (), None)[0], sparse.values.shape)
+  expected = _sq(topk(0.25).decode(sparse, X.shape) - X) + _sq(values - sparse.values)
+  np.testing.assert_allclose(_sq(compressor.decode(payload, X.shape) - X), expected, rtol=1e-5)
