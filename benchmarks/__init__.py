@@ -1,0 +1,1 @@
+"""Benchmarks of jaxcomm: python -m benchmarks.<name>."""

@@ -12,25 +12,27 @@ from jaxcomm.compress.policy import CompressionPolicy, Rule, policy
 from jaxcomm.compress.powersgd import (PowerSGDPayload, PowerSGDState, back_project,
                                        orthogonalize, powersgd, project)
 from jaxcomm.compress.qsgd import QSGDPayload, qsgd
-from jaxcomm.compress.quantize import QuantizedPayload, quantize
+from jaxcomm.compress.quantize import (QuantizedPayload, SharedScalePayload, quantize,
+                                       shared_quantize)
 from jaxcomm.compress.randomk import (RandomKPayload, RandomKState, SharedRandomKPayload,
                                       randomk)
 from jaxcomm.compress.selective import GradientStatistics, SelectiveCompression, selective
 from jaxcomm.compress.sign import SignPayload, VotePayload, majority_vote, sign, sign_vote
-from jaxcomm.compress.sketch import CountSketchPayload, count_sketch
+from jaxcomm.compress.sketch import CountSketchPayload, CountSketchState, count_sketch
 from jaxcomm.compress.terngrad import TernGradPayload, terngrad
 from jaxcomm.compress.threshold import ThresholdPayload, adaptive_threshold, threshold
 from jaxcomm.compress.topk import ChunkedTopKPayload, TopKPayload, topk
 
 __all__ = [
     "ChunkedTopKPayload", "ComposedState", "CompressionPolicy", "Compressor",
-    "CountSketchPayload", "ErrorFeedbackState", "GradientStatistics", "NaturalPayload",
-    "PowerSGDPayload", "PowerSGDState", "QSGDPayload", "QuantizedPayload", "RandomKPayload",
-    "RandomKState", "Rule", "ScaledCastPayload", "SelectiveCompression", "SharedRandomKPayload",
-    "SignPayload", "TernGradPayload", "ThresholdPayload", "TopKPayload", "VotePayload",
-    "adaptive_threshold", "back_project", "cast", "compose", "count_sketch", "error_feedback",
-    "identity", "majority_vote", "natural", "orthogonalize", "pack_bits", "packed_nbytes",
-    "payload_nbytes", "policy", "powersgd", "project", "psum_payload", "qsgd", "quantize",
-    "randomk", "replicated_fields", "selective", "sign", "sign_vote", "sum_payloads",
-    "terngrad", "threshold", "topk", "unpack_bits",
+    "CountSketchPayload", "CountSketchState", "ErrorFeedbackState", "GradientStatistics",
+    "NaturalPayload", "PowerSGDPayload", "PowerSGDState", "QSGDPayload", "QuantizedPayload",
+    "RandomKPayload", "RandomKState", "Rule", "ScaledCastPayload", "SelectiveCompression",
+    "SharedRandomKPayload", "SharedScalePayload", "SignPayload", "TernGradPayload",
+    "ThresholdPayload", "TopKPayload", "VotePayload", "adaptive_threshold", "back_project",
+    "cast", "compose", "count_sketch", "error_feedback", "identity", "majority_vote", "natural",
+    "orthogonalize", "pack_bits", "packed_nbytes", "payload_nbytes", "policy", "powersgd",
+    "project", "psum_payload", "qsgd", "quantize", "randomk", "replicated_fields", "selective",
+    "shared_quantize", "sign", "sign_vote", "sum_payloads", "terngrad", "threshold", "topk",
+    "unpack_bits",
 ]

@@ -38,10 +38,12 @@ class Compressor(NamedTuple):
     decode: ``decode(payload, shape) -> jax.Array`` of dtype float32 and that shape.
     wire_bytes: ``wire_bytes(shape, dtype) -> int``, the payload's bytes from the closed-form
       formula in the compressor's docstring (tests check it against the real payload).
-    linear: whether payloads may be summed before decoding: with the same state and key,
-      ``encode(x1) + encode(x2) == encode(x1 + x2)`` leaf by leaf (see :func:`sum_payloads`),
-      so a ``psum`` of payloads is the payload of the sum and can replace a gather. Where the
-      decoder is itself linear, ``decode(p1 + p2) == decode(p1) + decode(p2)`` too.
+    linear: whether payloads may be summed before decoding: the payload is additive in the
+      encoded input, ``encode(x1) + encode(x2) == encode(x1 + x2)`` leaf by leaf (see
+      :func:`sum_payloads`) when the shared parts of the state (keys, agreed scales) are the
+      same, so a ``psum`` of the devices' payloads is the payload of the sum of their inputs
+      and can replace a gather. Where the decoder is itself linear,
+      ``decode(p1 + p2) == decode(p1) + decode(p2)`` too.
     unbiased: whether ``E[decode(encode(x))] == x`` over the key.
     name: a short human-readable name, e.g. ``'topk(0.01)'``.
   """
@@ -75,16 +77,35 @@ def replicated_fields(payload: Payload) -> tuple[str, ...]:
   return tuple(getattr(type(payload), "REPLICATED", ()))
 
 
-def _widen(leaf: jax.Array) -> jax.Array:
-  # int8/uint8 sums overflow after a few devices; int32 holds any realistic device count.
-  return leaf.astype(jnp.int32) if jnp.issubdtype(leaf.dtype, jnp.integer) else leaf
+def _sum_leaves(payload: Payload, reduce: Callable[[jax.Array], jax.Array],
+                take_replicated: Callable[[jax.Array], jax.Array]) -> Payload:
+  """Applies ``reduce`` to the summed leaves and ``take_replicated`` to the replicated ones.
+
+  Integer leaves are widened to int32 first (int8 sums overflow after a few devices), unless
+  the payload class sets ``OVERFLOW_SAFE = True``: its encoder bounded the codes so that the
+  sum over the axis fits their own dtype, and the sum is sent at that width.
+  """
+  widen = not getattr(type(payload), "OVERFLOW_SAFE", False)
+
+  def summed(leaf):
+    if widen and jnp.issubdtype(leaf.dtype, jnp.integer):
+      leaf = leaf.astype(jnp.int32)
+    return reduce(leaf).astype(leaf.dtype)
+
+  keep = replicated_fields(payload)
+  if not keep:
+    return jax.tree.map(summed, payload)
+  return type(payload)(**{
+      field: take_replicated(leaf) if field in keep else jax.tree.map(summed, leaf)
+      for field, leaf in zip(payload._fields, payload)})
 
 
 def sum_payloads(payloads: Payload) -> Payload:
   """Sums payloads stacked on a leading axis, as a ``psum`` of a linear payload would.
 
-  Integer leaves are widened to int32 first; :func:`replicated_fields` are taken from the
-  first payload instead of summed. This is the reference the linearity tests use.
+  Integer leaves are widened to int32 first (unless the payload is ``OVERFLOW_SAFE``);
+  :func:`replicated_fields` are taken from the first payload instead of summed. This is the
+  reference the linearity tests use.
 
   Args:
     payloads: a payload pytree whose leaves have a leading axis of size ``n`` (e.g. the output
@@ -93,26 +114,16 @@ def sum_payloads(payloads: Payload) -> Payload:
   Returns:
     One payload: the leaf-wise sum over the leading axis.
   """
-  keep = replicated_fields(payloads)
-  if keep:
-    return type(payloads)(**{
-        field: leaf[0] if field in keep else jax.tree.map(lambda a: jnp.sum(_widen(a), axis=0), leaf)
-        for field, leaf in zip(payloads._fields, payloads)})
-  return jax.tree.map(lambda leaf: jnp.sum(_widen(leaf), axis=0), payloads)
+  return _sum_leaves(payloads, lambda leaf: jnp.sum(leaf, axis=0), lambda leaf: leaf[0])
 
 
 def psum_payload(payload: Payload, axis_name: str) -> Payload:
   """``psum`` of a linear compressor's payload over a named axis (``shard_map`` or ``vmap``).
 
-  Integer leaves are widened to int32; :func:`replicated_fields` are left as they are. Only
-  meaningful when ``compressor.linear`` is true.
+  Integer leaves are widened to int32 (unless the payload is ``OVERFLOW_SAFE``);
+  :func:`replicated_fields` are left as they are. Only meaningful when ``compressor.linear``.
   """
-  keep = replicated_fields(payload)
-  summed = lambda leaf: jax.lax.psum(_widen(leaf), axis_name)
-  if keep:
-    return type(payload)(**{field: leaf if field in keep else jax.tree.map(summed, leaf)
-                            for field, leaf in zip(payload._fields, payload)})
-  return jax.tree.map(summed, payload)
+  return _sum_leaves(payload, lambda leaf: jax.lax.psum(leaf, axis_name), lambda leaf: leaf)
 
 
 def check_float_input(x: jax.Array, name: str = "x") -> None:

@@ -34,4 +34,7 @@ def chunk_sizes(size: int, chunk: int | None) -> jax.Array:
 def per_element(per_chunk: jax.Array, size: int, chunk: int | None) -> jax.Array:
   """Broadcasts one value per chunk back to shape ``(size,)``."""
   width = chunk_width(size, chunk)
-  return jnp.repeat(per_chunk, width, total_repeat_length=per_chunk.shape[0] * width)[:size]
+  # A broadcast, not jnp.repeat: repeat builds its gather indices with a cumsum that XLA
+  # constant-folds at compile time, which takes seconds for million-element tensors.
+  count = per_chunk.shape[0]
+  return jnp.broadcast_to(per_chunk[:, None], (count, width)).reshape(-1)[:size]

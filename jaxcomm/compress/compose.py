@@ -38,10 +38,10 @@ def compose(sparsifier: Compressor, quantizer: Compressor) -> Compressor:
   :func:`~jaxcomm.compress.threshold`); the quantizer sees the values as a flat array.
 
   Properties: unbiased when both are (e.g. scaled random-k with stochastic quantization; the
-  quantization noise is independent of the selection); otherwise biased. When both errors
-  are bounded, ``||C(x) - x||^2 = ||S(x) - x||^2 + ||Q(v) - v||^2`` over disjoint supports
-  (``v`` the sent values, ``S`` the sparsifier; the quantizer's error lies on the kept
-  positions only). Not linear.
+  quantization noise is independent of the selection); otherwise biased. For an unscaled
+  sparsifier ``S`` (top-k, threshold) the errors add over disjoint supports,
+  ``||C(x) - x||^2 = ||S(x) - x||^2 + ||Q(v) - v||^2`` with ``v`` the kept values, so a
+  contraction of ``S`` survives when ``||Q(v) - v||^2`` is below its slack. Not linear.
 
   Bytes: ``wire_bytes(sparsifier) - k * itemsize(values) + wire_bytes(quantizer, (k,))``,
   with ``k`` the number of values (found by tracing the sparsifier, nothing is run).
@@ -64,7 +64,8 @@ def compose(sparsifier: Compressor, quantizer: Compressor) -> Compressor:
 
   def init(shape, dtype) -> ComposedState:
     values = _values_struct(sparsifier, shape, dtype)
-    return ComposedState(sparsifier.init(shape, dtype), quantizer.init((values.size,), jnp.float32))
+    return ComposedState(sparsifier.init(shape, dtype),
+                         quantizer.init((values.size,), jnp.float32))
 
   def encode(x: jax.Array, state: ComposedState, key: jax.Array):
     sparse_key, quantize_key = jax.random.split(key)

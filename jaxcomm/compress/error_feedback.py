@@ -41,8 +41,9 @@ def error_feedback(compressor: Compressor) -> Compressor:
   devices. The payload then carries whatever the compressor made of the input, and the
   caller decides (ideally with a max over all devices) whether to skip the step.
 
-  The result is never linear, even around a linear compressor: residuals are private.
-  Bytes: those of ``compressor``.
+  Linear when ``compressor`` is: each device encodes its own ``x + e``, and a ``psum`` of the
+  payloads is the payload of ``sum_devices (x + e)``; private residuals do not change that.
+  Never unbiased (the residual carries past inputs). Bytes: those of ``compressor``.
 
   Args:
     compressor: any :class:`~jaxcomm.Compressor`.
@@ -82,5 +83,5 @@ def error_feedback(compressor: Compressor) -> Compressor:
                                        finite=jnp.reshape(finite, (1,)))
 
   return Compressor(init=init, encode=encode, decode=compressor.decode,
-                    wire_bytes=compressor.wire_bytes, linear=False,
+                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
                     unbiased=False, name=f"ef({compressor.name})")

@@ -65,7 +65,7 @@ def compression_rate(shape: tuple[int, ...], rank: int) -> float:
 
 
 def project(matrix: jax.Array, q: jax.Array) -> jax.Array:
-  """``P = M Q``: shape ``(m, r)``. Average it over devices (``psum / p``) before orthogonalizing."""
+  """``P = M Q``: shape ``(m, r)``. Average it over devices (``psum / p``), then orthogonalize."""
   return matrix @ q
 
 

@@ -52,8 +52,15 @@ def randomk_count(size: int, fraction: float) -> int:
 
 
 def random_indices(key: jax.Array, size: int, count: int) -> jax.Array:
-  """``count`` distinct positions in ``[0, size)``, uniformly at random, as int32."""
-  return jax.random.choice(key, size, (count,), replace=False).astype(jnp.int32)
+  """``count`` distinct positions in ``[0, size)``, a uniformly random subset, as int32.
+
+  The positions of the ``count`` largest of ``size`` uniform floats: one partial sort, tens of
+  times faster than ``jax.random.choice(replace=False)``, which permutes all positions (and
+  than ``top_k`` on integer words, which XLA's CPU backend sorts slowly). The uniforms have
+  23 random bits, so exact ties are possible in large tensors; they go to the lower
+  position, a deviation from uniform of about ``size / 2^23`` elements at the boundary.
+  """
+  return jax.lax.top_k(jax.random.uniform(key, (size,)), count)[1].astype(jnp.int32)
 
 
 def randomk(fraction: float, *, shared: bool = True, scale: bool = True,

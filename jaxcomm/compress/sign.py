@@ -1,4 +1,4 @@
-"""Scaled sign (1-bit) compression with signs packed 8 per byte."""
+"""Sign compression, 1 bit per element packed 8 per byte: scaled sign and majority vote."""
 
 from __future__ import annotations
 

@@ -8,8 +8,19 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_fraction, check_int_range, num_elements,
-                                   stateless_init)
+from jaxcomm.compress.base import Compressor, check_fraction, check_int_range, num_elements
+
+
+class CountSketchState(NamedTuple):
+  """State of a count sketch.
+
+  Attributes:
+    key: uint32 of shape ``(2,)``: the raw PRNG key of the hashes, made from ``seed`` and the
+      tensor size by ``init``; the same on every device and at every step. (Kept as data
+      rather than recomputed from the seed so that XLA does not constant-fold the hashing
+      of millions of elements at compile time.)
+  """
+  key: jax.Array
 
 
 class CountSketchPayload(NamedTuple):
@@ -17,20 +28,44 @@ class CountSketchPayload(NamedTuple):
 
   Attributes:
     table: float32 of shape ``(depth, width)``: ``S[j, h_j(i)] += s_j(i) x_i``.
+    key: uint32 of shape ``(2,)``: the hash key, identical on every device, so a ``psum``
+      keeps it (see ``REPLICATED``) and sums the tables.
   """
   table: jax.Array
+  key: jax.Array
+  REPLICATED = ("key",)
 
 
-def sketch_hashes(seed: int, size: int, depth: int, width: int) -> tuple[jax.Array, jax.Array]:
+def sketch_hashes(key: jax.Array, size: int, depth: int,
+                  width: int) -> tuple[jax.Array, jax.Array]:
   """Buckets ``h_j(i)`` (int32) and signs ``s_j(i)`` (float32 +-1), both ``(depth, size)``.
 
-  Drawn from the shared ``seed`` (and the size, so tensors of different sizes get different
-  hashes): every device computes the same ones, which is what makes sketches summable.
+  One random 32-bit word per (row, element) from the shared key: the low bit is the sign, the
+  rest modulo ``width`` the bucket (a bias below ``width / 2^31``). Every device computes the
+  same ones, which is what makes sketches summable.
   """
-  bucket_key, sign_key = jax.random.split(jax.random.fold_in(jax.random.PRNGKey(seed), size))
-  buckets = jax.random.randint(bucket_key, (depth, size), 0, width, jnp.int32)
-  signs = jnp.where(jax.random.bernoulli(sign_key, 0.5, (depth, size)), 1.0, -1.0)
+  words = jax.random.bits(key, (depth, size), jnp.uint32)
+  buckets = ((words >> 1) % width).astype(jnp.int32)
+  signs = jnp.where((words & 1) == 1, 1.0, -1.0)
   return buckets, signs
+
+
+def median_of_rows(rows: jax.Array) -> jax.Array:
+  """Median over axis 0 of a ``(depth, n)`` array, by a sorting network of min/max.
+
+  ``depth`` is small, so ``depth^2 / 2`` elementwise compare-exchanges are far cheaper than a
+  sort along a length-``depth`` axis (XLA's CPU sort is slow for that layout).
+  """
+  ordered = list(rows)
+  for sweep in range(len(ordered)):
+    for index in range(len(ordered) - 1 - sweep):
+      low = jnp.minimum(ordered[index], ordered[index + 1])
+      high = jnp.maximum(ordered[index], ordered[index + 1])
+      ordered[index], ordered[index + 1] = low, high
+  middle = len(ordered) // 2
+  if len(ordered) % 2:
+    return ordered[middle]
+  return 0.5 * (ordered[middle - 1] + ordered[middle])
 
 
 def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
@@ -49,7 +84,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   the median errs by more than ``eps ||x||_2`` with probability at most ``exp(-depth / 18)``
   per element.
 
-  Bytes: ``4 * depth * width``, independent of ``d``.
+  Bytes: ``4 * depth * width + 8``, independent of ``d``.
 
   Args:
     width: buckets per row, >= 1.
@@ -59,7 +94,8 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     seed: seed of the hashes; must be the same on every device.
 
   Returns:
-    A :class:`~jaxcomm.Compressor` with :class:`CountSketchPayload` payloads.
+    A :class:`~jaxcomm.Compressor` with :class:`CountSketchPayload` payloads and
+    :class:`CountSketchState` state.
 
   References:
     Charikar, Chen & Farach-Colton, "Finding Frequent Items in Data Streams", ICALP 2002;
@@ -74,17 +110,22 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   seed = check_int_range("seed", seed, 0)
   rows = jnp.arange(depth)[:, None]
 
-  def encode(x: jax.Array, state, key: jax.Array):
+  def init(shape, dtype) -> CountSketchState:
+    del dtype
+    # Folding in the size gives tensors of different sizes different hashes.
+    return CountSketchState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
+
+  def encode(x: jax.Array, state: CountSketchState, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
-    buckets, signs = sketch_hashes(seed, flat.shape[0], depth, width)
+    buckets, signs = sketch_hashes(state.key, flat.shape[0], depth, width)
     table = jnp.zeros((depth, width), jnp.float32).at[rows, buckets].add(signs * flat)
-    return CountSketchPayload(table), state
+    return CountSketchPayload(table, state.key), state
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    buckets, signs = sketch_hashes(seed, size, depth, width)
-    estimates = jnp.median(signs * payload.table[rows, buckets], axis=0)
+    buckets, signs = sketch_hashes(payload.key, size, depth, width)
+    estimates = median_of_rows(signs * payload.table[rows, buckets])
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
       _, indices = jax.lax.top_k(jnp.abs(estimates), kept)
@@ -93,8 +134,8 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
 
   def wire_bytes(shape, dtype) -> int:
     del shape, dtype
-    return 4 * depth * width
+    return 4 * depth * width + 8
 
   suffix = "" if heavy is None else f", heavy={heavy:g}"
-  return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
+  return Compressor(init=init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=True, unbiased=False, name=f"count_sketch({width}x{depth}{suffix})")

@@ -26,6 +26,7 @@ CATALOG = {
     "int4": quantize(4),
     "int3_nearest_chunked": quantize(3, stochastic=False, chunk=5),
     "qsgd": qsgd(4),
+    "qsgd_bucketed": qsgd(3, bucket=4),
     "terngrad": terngrad(),
     "sign": sign(),
     "sign_vote": sign_vote(),

@@ -89,6 +89,7 @@ def test_majority_vote_packs_bits_and_ties_give_zero():
 BAD_CONFIGS = [
     (lambda: qsgd(0), ValueError, "levels"),
     (lambda: qsgd(128), ValueError, "levels"),
+    (lambda: qsgd(4, bucket=0), ValueError, "bucket"),
     (lambda: quantize(9), ValueError, "bits"),
     (lambda: quantize(0), ValueError, "bits"),
     (lambda: powersgd(0), ValueError, "rank"),

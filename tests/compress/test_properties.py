@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
-                              natural, powersgd, psum_payload, qsgd, quantize, randomk, sign,
-                              sum_payloads, terngrad, threshold, topk)
+                              identity, natural, pack_bits, packed_nbytes, payload_nbytes,
+                              psum_payload, qsgd, quantize, randomk, shared_quantize, sign,
+                              sum_payloads, terngrad, threshold, topk, unpack_bits)
 
 SIZE = 16
 SAMPLES = 4000
@@ -44,6 +45,7 @@ def _sq(x):
 UNBIASED = {
     # name: (compressor, variance bound as a multiple of ||x||^2)
     "qsgd": (qsgd(4), min(SIZE / 16, math.sqrt(SIZE) / 4)),
+    "qsgd_bucketed": (qsgd(2, bucket=5), min(5 / 4, math.sqrt(5) / 2)),
     "terngrad": (terngrad(), float(jnp.max(jnp.abs(X))) * _l1(X) / _sq(X) - 1.0),
     "natural": (natural(), 1.0 / 8.0),
     "int4": (quantize(4), SIZE * (2 * float(jnp.max(jnp.abs(X))) / 14) ** 2 / 4 / _sq(X)),
@@ -114,6 +116,22 @@ def test_shared_randomk_is_linear_and_psum_matches():
   psummed = jax.vmap(lambda p: psum_payload(p, "devices"), axis_name="devices")(payloads)
   chex.assert_trees_all_close(jax.tree.map(lambda leaf: leaf[1], psummed), summed)
   np.testing.assert_array_equal(states.key[0], states.key[2])
+
+
+@pytest.mark.parametrize(
+    "compressor", [identity(), cast(jnp.bfloat16), cast(jnp.float16, axis_size=3)],
+    ids=lambda compressor: compressor.name)
+def test_linear_casts_sum_like_their_inputs(compressor):
+  assert compressor.linear
+  inputs = jnp.stack([X, jnp.flip(X), -0.5 * X])
+  payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None))(inputs, (), None)
+  decoded = jax.vmap(lambda p: compressor.decode(p, X.shape))(payloads)
+  of_sum = compressor.decode(compressor.encode(inputs.sum(0), (), None)[0], X.shape)
+  summed = compressor.decode(sum_payloads(payloads), X.shape)
+  # Exact for identity; within the dtype's rounding of the sum for casts.
+  tolerance = 4 * float(jnp.finfo(jnp.asarray(payloads).dtype).eps) * 3
+  np.testing.assert_allclose(summed, decoded.sum(0), rtol=tolerance, atol=tolerance)
+  np.testing.assert_allclose(summed, of_sum, rtol=tolerance, atol=tolerance)
 
 
 def test_cast_guard_sums_without_overflow_and_saturates():
@@ -211,17 +229,105 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
   x = 0.01 * jax.random.normal(jax.random.PRNGKey(4), (size,))
   x = x.at[spikes].set(jnp.array([10.0, -8.0, 6.0, -12.0, 9.0]))
   compressor = count_sketch(64, 5, heavy=5 / size)
-  payload, _ = compressor.encode(x, (), None)
+  state = compressor.init((size,), jnp.float32)
+  encode = jax.jit(lambda x: compressor.encode(x, state, None)[0])
+  payload = encode(x)
   recovered = compressor.decode(payload, (size,))
   np.testing.assert_array_equal(np.nonzero(np.asarray(recovered))[0], spikes)
   np.testing.assert_allclose(recovered[spikes], x[spikes], atol=0.1)
-  other, _ = compressor.encode(jnp.flip(x), (), None)
-  of_sum, _ = compressor.encode(x + jnp.flip(x), (), None)
-  chex.assert_trees_all_close(sum_payloads(jax.tree.map(lambda a, b: jnp.stack([a, b]),
-                                                        payload, other)), of_sum, atol=1e-5)
+  stacked = jax.tree.map(lambda a, b: jnp.stack([a, b]), payload, encode(jnp.flip(x)))
+  chex.assert_trees_all_close(sum_payloads(stacked), encode(x + jnp.flip(x)), atol=1e-5)
   single_row = count_sketch(32, 1)
-  first, second = single_row.encode(x, (), None)[0], single_row.encode(2 * x, (), None)[0]
-  np.testing.assert_allclose(single_row.decode(first._replace(table=first.table + second.table),
-                                               (size,)),
+  state = single_row.init((size,), jnp.float32)
+  first, second = single_row.encode(x, state, None)[0], single_row.encode(2 * x, state, None)[0]
+  both = sum_payloads(jax.tree.map(lambda a, b: jnp.stack([a, b]), first, second))
+  np.testing.assert_allclose(single_row.decode(both, (size,)),
                              single_row.decode(first, (size,)) + single_row.decode(second, (size,)),
                              atol=1e-5)
+
+
+def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
+  compressor = shared_quantize("devices", 4)
+  inputs = jnp.stack([X, jnp.flip(X), 3.0 * X, -X])
+  keys = jax.random.split(jax.random.PRNGKey(0), 4)
+
+  def device(x, key):
+    payload, _ = compressor.encode(x, (), key)
+    return payload, psum_payload(payload, "devices"), compressor.decode(payload, X.shape)
+
+  payloads, psummed, decoded = jax.jit(jax.vmap(device, axis_name="devices"))(inputs, keys)
+  assert payload_nbytes(jax.tree.map(lambda leaf: leaf[0], payloads)) == SIZE + 4
+  assert compressor.wire_bytes(X.shape, jnp.float32) == SIZE + 4
+  np.testing.assert_allclose(payloads.scale, 3.0 * float(jnp.max(jnp.abs(X))), rtol=1e-6)
+  assert int(jnp.max(jnp.abs(payloads.codes.astype(jnp.int32)))) <= 127 // 4
+  summed = sum_payloads(payloads)
+  assert summed.codes.dtype == jnp.int8 and psummed.codes.dtype == jnp.int8
+  chex.assert_trees_all_equal(jax.tree.map(lambda leaf: leaf[2], psummed), summed)
+  np.testing.assert_allclose(compressor.decode(summed, X.shape), decoded.sum(0), rtol=1e-6,
+                             atol=1e-6)
+  single = jax.vmap(lambda key: jax.vmap(device, axis_name="devices")(X[None], key[None])[2][0])
+  many = np.asarray(jax.jit(single)(jax.random.split(jax.random.PRNGKey(1), SAMPLES)))
+  step = float(jnp.max(jnp.abs(X))) / 31
+  # Per element the rounding has standard deviation at most step / 2 (a skewed Bernoulli when
+  # x sits near a grid point, so the bound, not the sample std, sets the tolerance).
+  np.testing.assert_array_less(np.abs(many.mean(0) - np.asarray(X)),
+                               5 * (step / 2) / math.sqrt(SAMPLES))
+  assert np.mean(np.sum((many - np.asarray(X)) ** 2, axis=1)) <= SIZE * step**2 / 4
+
+
+def test_shared_quantize_nonfinite_on_one_device_is_flagged_on_all():
+  wrapped = error_feedback(shared_quantize("devices", 2))
+  state = wrapped.init(X.shape, X.dtype)
+  inputs = jnp.stack([X, X.at[0].set(jnp.nan)])
+  _, states = jax.vmap(wrapped.encode, in_axes=(0, None, None), axis_name="devices")(
+      inputs, state, jax.random.PRNGKey(0))
+  np.testing.assert_array_equal(states.finite[:, 0], [False, False])
+  np.testing.assert_array_equal(states.residual, 0.0)
+  with pytest.raises(ValueError, match="axis_size"):
+    shared_quantize("devices", 128)
+  with pytest.raises(TypeError, match="scale_axis"):
+    shared_quantize(None, 2)
+
+
+def test_error_feedback_around_a_linear_compressor_sums_the_corrected_inputs():
+  wrapped = error_feedback(randomk(0.25))
+  assert wrapped.linear and not wrapped.unbiased
+  assert not error_feedback(topk(0.25)).linear
+  state = wrapped.init(X.shape, X.dtype)
+  residuals = jnp.stack([0.1 * X, -0.2 * jnp.flip(X)])
+  inputs = jnp.stack([X, 2.0 * X])
+  states = jax.vmap(lambda r: state._replace(residual=r))(residuals)
+  payloads, _ = jax.vmap(wrapped.encode, in_axes=(0, 0, None))(inputs, states,
+                                                                jax.random.PRNGKey(0))
+  summed = wrapped.decode(sum_payloads(payloads), X.shape)
+  direct, _ = randomk(0.25).encode((inputs + residuals).sum(0), state.inner, None)
+  np.testing.assert_allclose(summed, randomk(0.25).decode(direct, X.shape), rtol=1e-5,
+                             atol=1e-6)
+
+
+def test_pack_unpack_round_trips_every_width_and_odd_count():
+  rng = np.random.default_rng(3)
+  cases = {(bits, count): rng.integers(0, 2**bits, count).astype(np.uint8)
+           for bits in range(1, 9) for count in (1, 7, 13)}
+
+  @jax.jit
+  def round_trip(cases):
+    return {case: (pack_bits(codes, case[0]), unpack_bits(pack_bits(codes, case[0]), *case))
+            for case, codes in cases.items()}
+
+  for (bits, count), (packed, unpacked) in round_trip(cases).items():
+    assert packed.dtype == jnp.uint8 and packed.shape == (packed_nbytes(count, bits),)
+    np.testing.assert_array_equal(unpacked, cases[bits, count])
+  # Earlier codes take the lower bits of a byte.
+  np.testing.assert_array_equal(pack_bits(jnp.array([1, 0, 0, 0, 0, 0, 0, 1]), 1), [0x81])
+  np.testing.assert_array_equal(pack_bits(jnp.array([3, 0, 1]), 2), [0b010011])
+
+
+def test_composed_errors_add_over_disjoint_supports():
+  compressor = compose(topk(0.25), quantize(4, stochastic=False))
+  payload, _ = compressor.encode(X, compressor.init(X.shape, X.dtype), jax.random.PRNGKey(0))
+  sparse, _ = topk(0.25).encode(X, (), None)
+  quantizer = quantize(4, stochastic=False)
+  values = quantizer.decode(quantizer.encode(sparse.values, (), None)[0], sparse.values.shape)
+  expected = _sq(topk(0.25).decode(sparse, X.shape) - X) + _sq(values - sparse.values)
+  np.testing.assert_allclose(_sq(compressor.decode(payload, X.shape) - X), expected, rtol=1e-5)
