@@ -9,8 +9,9 @@ from jaxcomm import (accounting, collectives, compress, costmodel, distributed, 
 from jaxcomm.collectives import Level, hierarchical_allreduce, level
 from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold, cast,
                               compose, count_sketch, error_feedback, identity, natural,
-                              payload_nbytes, policy, powersgd, qsgd, quantize, randomk,
-                              selective, sign, sign_vote, terngrad, threshold, topk)
+                              majority_vote, payload_nbytes, policy, powersgd, psum_payload, qsgd,
+                              quantize, randomk, selective, shared_quantize, sign, sign_vote,
+                              sum_payloads, terngrad, threshold, topk)
 from jaxcomm.costmodel import predict, project, step_time
 from jaxcomm.links import Link, link
 from jaxcomm.parallel import (dense_attention, from_layout, gather_sequence, hybrid_attention,
@@ -31,9 +32,10 @@ __all__ = [
     "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "dense_attention",
     "distributed", "dynamic_loss_scale", "error_feedback", "from_layout", "gather_sequence",
     "hierarchical_allreduce", "hybrid_attention", "identity", "launch", "level", "link", "links",
-    "local_grad", "local_value_and_grad", "make_mesh", "natural", "optim", "parallel",
-    "payload_nbytes", "plan", "policy", "powersgd", "powersgd_allreduce", "predict", "project",
-    "qsgd", "quantize", "randomk", "reduce_scatter_sequence", "ring_attention", "selective",
-    "shard_positions", "sharded_init", "sign", "sign_vote", "split_sequence", "state_specs",
-    "step_time", "terngrad", "threshold", "tile_counts", "to_layout", "topk", "ulysses_attention",
+    "local_grad", "local_value_and_grad", "majority_vote", "make_mesh", "natural", "optim",
+    "parallel", "payload_nbytes", "plan", "policy", "powersgd", "powersgd_allreduce", "predict",
+    "project", "psum_payload", "qsgd", "quantize", "randomk", "reduce_scatter_sequence",
+    "ring_attention", "selective", "shard_positions", "sharded_init", "shared_quantize", "sign",
+    "sign_vote", "split_sequence", "state_specs", "step_time", "sum_payloads", "terngrad",
+    "threshold", "tile_counts", "to_layout", "topk", "ulysses_attention",
 ]

@@ -109,13 +109,22 @@ def _shard_sizes(levels: Sequence[Level], size: int) -> tuple[int, list[int]]:
   return padded, lengths
 
 
+def _device_local(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """Marks residuals and flags as differing per device; integer leaves (shared PRNG keys,
+  counters) stay replicated: every device must hold the same one."""
+  if jnp.issubdtype(leaf.dtype, jnp.integer):
+    return leaf
+  return jax.lax.pcast(leaf, axes, to="varying")
+
+
 def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
   """Per-level state for an array of ``size`` elements; call inside ``shard_map``.
 
   Returns:
     A tuple with one entry per level: ``()`` for dense levels and levels without state, else
-    the level's residuals, marked varying over the axes where the level's shard differs
-    between devices (they are device-local there and replicated elsewhere).
+    the level's state: residuals and flags marked varying over the axes where the level's
+    shard differs between devices (device-local there, replicated elsewhere); integer leaves
+    such as shared PRNG keys replicated.
   """
   levels = check_levels(levels)
   require_axes([lv.axis for lv in levels], "init_states")
@@ -133,8 +142,7 @@ def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
       state = _wire_compressor(lv).init((length,), dtype) if lv.feedback else \
           lv.compressor.init((length,), dtype)
     varying = _distinct_axes(levels, index)
-    states.append(jax.lax.pcast(state, varying, to="varying") if jax.tree.leaves(state)
-                  else state)
+    states.append(jax.tree.map(lambda leaf: _device_local(leaf, varying), state))
   return tuple(states)
 
 
