@@ -139,7 +139,10 @@ def two_phase_sum(shard: jax.Array, compressor: Compressor, state: TwoPhaseState
   chunks = corrected.reshape(n, chunk)
   encode_chunk = lambda x, k: compressor.encode(x, (), k)[0]
   decode_chunk = lambda p: compressor.decode(p, (chunk,))
-  payloads = jax.vmap(encode_chunk)(chunks, keys[:n])
+  # One encode per chunk, not a vmap: XLA's CPU backend lowers a batched top_k to a full
+  # sort (40x slower here) instead of its TopK kernel.
+  payloads = jax.tree.map(lambda *leaves: jnp.stack(leaves),
+                          *[encode_chunk(chunks[i], keys[i]) for i in range(n)])
   received = jax.tree.map(lambda leaf: jax.lax.all_to_all(leaf, axis, 0, 0), payloads)
   owned = jnp.sum(jax.vmap(decode_chunk)(received), axis=0)
   if state is not None:
