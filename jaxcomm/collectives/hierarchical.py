@@ -40,16 +40,20 @@ class Level(NamedTuple):
     strategy: ``None`` (automatic) or a name from :data:`strategies.STRATEGIES`.
     feedback: keep error-feedback residuals for this level's compressor.
     dtype: for a dense level, the dtype the data is summed in (``None``: as given).
+    gather: how the gather and two-phase strategies all-gather payloads: ``'all_gather'``,
+      ``'psum'`` (:func:`~jaxcomm.collectives.strategies.psum_gather`) or ``None`` for the
+      backend's measured preference.
   """
   axis: str
   compressor: Compressor | None = None
   strategy: str | None = None
   feedback: bool = True
   dtype: Any = None
+  gather: str | None = None
 
 
 def level(axis: str, compressor: Compressor | None = None, *, strategy: str | None = None,
-          feedback: bool = True, dtype: Any = None) -> Level:
+          feedback: bool = True, dtype: Any = None, gather: str | None = None) -> Level:
   """Builds a validated :class:`Level` (errors name the parameter and the allowed values)."""
   if not isinstance(axis, str) or not axis:
     raise TypeError(f"axis must be a non-empty mesh axis name, got {axis!r}.")
@@ -63,9 +67,12 @@ def level(axis: str, compressor: Compressor | None = None, *, strategy: str | No
       raise ValueError("dtype applies to dense levels only; for a compressed level cast with "
                        "its compressor.")
     dtype = check_dtype("dtype", dtype, DENSE_DTYPES)
+  if gather is not None and gather not in strategies.GATHERS:
+    raise ValueError(f"gather must be one of {', '.join(strategies.GATHERS)} or None; got "
+                     f"{gather!r}.")
   stateless = compressor is None or compressor.init((1,), jnp.float32) == ()
   strategies.check_strategy(strategy, compressor, stateless=stateless)
-  return Level(axis, compressor, strategy, feedback, dtype)
+  return Level(axis, compressor, strategy, feedback, dtype, gather)
 
 
 def check_levels(levels: Sequence[Level]) -> tuple[Level, ...]:
@@ -172,12 +179,13 @@ def _level_key(key: jax.Array, levels: Sequence[Level], index: int, shared: bool
 
 def _exchange(lv: Level, strategy: str, shard: jax.Array, state, key: jax.Array):
   if strategy == "two_phase":
-    total, state = strategies.two_phase_sum(shard, lv.compressor, state or None, key, lv.axis)
+    total, state = strategies.two_phase_sum(shard, lv.compressor, state or None, key, lv.axis,
+                                            lv.gather)
     return total, () if state is None else state
   compressor = _wire_compressor(lv) if lv.feedback else lv.compressor
   if strategy == "linear":
     return strategies.linear_sum(shard, compressor, state, key, lv.axis)
-  return strategies.gather_sum(shard, compressor, state, key, lv.axis)
+  return strategies.gather_sum(shard, compressor, state, key, lv.axis, lv.gather)
 
 
 def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,

@@ -24,10 +24,12 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm.compress.base import Compressor, psum_payload
 
 STRATEGIES = ("dense", "linear", "gather", "two_phase")
+GATHERS = ("all_gather", "psum")
 
 
 class TwoPhaseState(NamedTuple):
@@ -103,10 +105,71 @@ def linear_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, 
   return compressor.decode(psum_payload(payload, axis), shard.shape), state
 
 
-def gather_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, axis: str):
+def _to_words(leaf: jax.Array) -> jax.Array:
+  """The leaf's bytes as int32 words (zero-padded to a multiple of 4 bytes), shape ``(w,)``."""
+  raw = leaf.reshape(-1)
+  if raw.dtype.itemsize > 1:
+    raw = jax.lax.bitcast_convert_type(raw, jnp.uint8).reshape(-1)
+  else:
+    raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+  raw = jnp.pad(raw, (0, (-raw.shape[0]) % 4)).reshape(-1, 4)
+  return jax.lax.bitcast_convert_type(raw, jnp.int32)
+
+
+def _from_words(words: jax.Array, like: jax.Array) -> jax.Array:
+  """Inverse of :func:`_to_words` for a leaf shaped and typed like ``like``."""
+  raw = jax.lax.bitcast_convert_type(words, jnp.uint8).reshape(-1)[:like.size * like.dtype.itemsize]
+  if like.dtype.itemsize > 1:
+    raw = raw.reshape(-1, like.dtype.itemsize)
+  return jax.lax.bitcast_convert_type(raw, like.dtype).reshape(like.shape)
+
+
+def psum_gather(payload, axis: str):
+  """All-gather built from one ``psum``: each device writes its payload's bytes into its own
+  slot of a zero int32 buffer and the buffers are summed (exact: the other slots are zero).
+
+  It sends ``2(n-1) c`` bytes per device against ``(n-1) c`` for ``all_gather``, and is worth
+  it only on backends whose all-reduce is much faster than their all-gather (see
+  :data:`PREFERRED_GATHER`). The result is replicated, as ``all_gather``'s is.
+
+  Returns:
+    The payload with a leading axis of size ``n``: entry ``i`` is device ``i``'s.
+  """
+  n = jax.lax.axis_size(axis)
+  leaves, treedef = jax.tree.flatten(payload)
+  words = [_to_words(leaf) for leaf in leaves]
+  sizes = [w.shape[0] for w in words]
+  mine = jnp.concatenate(words)
+  slots = jax.lax.dynamic_update_slice(
+      jnp.zeros((n, mine.shape[0]), jnp.int32), mine[None], (jax.lax.axis_index(axis), 0))
+  summed = jax.lax.psum(slots, axis)
+  offsets = np.cumsum([0] + sizes)
+  gathered = [jax.vmap(lambda row, leaf=leaf, a=a, b=b: _from_words(row[a:b], leaf))(summed)
+              for leaf, a, b in zip(leaves, offsets[:-1], offsets[1:])]
+  return treedef.unflatten(gathered)
+
+
+# Which all-gather each backend runs for the gather and two-phase strategies, chosen by
+# measurement (python -m benchmarks.gather_impl; tables in docs/collectives.md): on simulated
+# CPU devices all_gather won at every size (32 KiB-4 MiB, 1.7-5x); across two gloo processes
+# one run favoured the psum-built gather at 3 of 4 sizes and a second run all_gather at all
+# 5, by up to 3.5x. all_gather wins on balance; psum stays available per level.
+PREFERRED_GATHER = {"cpu": "all_gather", "gpu": "all_gather", "tpu": "all_gather"}
+
+
+def gather_payloads(payload, axis: str, implementation: str | None = None):
+  """All-gather of a payload pytree (``implementation`` from :data:`GATHERS`, or by backend)."""
+  implementation = implementation or PREFERRED_GATHER.get(jax.default_backend(), "all_gather")
+  if implementation == "psum":
+    return psum_gather(payload, axis)
+  return jax.lax.all_gather(payload, axis, to="invarying")
+
+
+def gather_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, axis: str,
+               implementation: str | None = None):
   """All-gather every device's payload, decode each and sum in float32."""
   payload, state = compressor.encode(shard, state, key)
-  gathered = jax.lax.all_gather(payload, axis, to="invarying")
+  gathered = gather_payloads(payload, axis, implementation)
   decoded = jax.vmap(lambda p: compressor.decode(p, shard.shape))(gathered)
   return jnp.sum(decoded, axis=0), state
 
@@ -118,7 +181,7 @@ def two_phase_init(size: int, axis_size: int) -> TwoPhaseState:
 
 
 def two_phase_sum(shard: jax.Array, compressor: Compressor, state: TwoPhaseState | None,
-                  key: jax.Array, axis: str):
+                  key: jax.Array, axis: str, implementation: str | None = None):
   """Compressed reduce-scatter (all-to-all) then compressed all-gather, two residuals.
 
   1. worker: ``a = shard + e_w`` split into ``n`` chunks, each encoded; ``e_w = a - sent``;
@@ -148,7 +211,7 @@ def two_phase_sum(shard: jax.Array, compressor: Compressor, state: TwoPhaseState
   if state is not None:
     owned = owned + state.server_residual
   server_payload = encode_chunk(owned, keys[n])
-  gathered = jax.lax.all_gather(server_payload, axis, to="invarying")
+  gathered = gather_payloads(server_payload, axis, implementation)
   total = jax.vmap(decode_chunk)(gathered).reshape(-1)[:size]
   if state is None:
     return total, None

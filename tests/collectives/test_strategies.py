@@ -163,6 +163,7 @@ def test_bucketing_issues_fewer_collectives_with_the_same_result():
     (lambda: level("host", jaxcomm.topk(0.1), dtype=jnp.bfloat16), "dense levels only"),
     (lambda: level("host", dtype=jnp.int8), "dtype must be one of"),
     (lambda: level(""), "axis"),
+    (lambda: level("host", jaxcomm.sign(), gather="ring"), "gather must be one of"),
     (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), bucket_bytes=0), "bucket_bytes"),
     (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), bucket_bytes=-5), "bucket_bytes"),
     (lambda: jaxcomm.compressed_allreduce(jaxcomm.topk(0.1), strategy="psum"), "strategy"),
@@ -216,3 +217,39 @@ def test_every_device_ends_with_the_same_mean_under_stochastic_nested_compressio
   means = per_device(jax.random.normal(jax.random.PRNGKey(7), (8, 40)))
   for row in means[1:]:
     chex.assert_trees_all_equal(row, means[0])
+
+
+@pytest.mark.parametrize("strategy", ["gather", "two_phase"])
+def test_psum_built_gather_gives_the_same_result_and_twice_the_bytes(strategy):
+  mesh = jaxcomm.make_mesh(hosts=4, local=2)
+  x = jax.random.normal(jax.random.PRNGKey(8), (8, 200))
+  results, host_bytes = [], []
+  for gather in ("all_gather", "psum"):
+    levels = (level("local"), level("host", jaxcomm.topk(0.1), strategy=strategy, gather=gather))
+    run = _run_levels(mesh, levels, (200,))
+    results.append(run(x))
+    host_bytes.append(accounting.measure(run, x, mesh=mesh).link_bytes()["host"])
+  chex.assert_trees_all_equal(results[0], results[1])
+  # Only the all-gather doubles; two-phase's all-to-all half is unchanged.
+  growth = 2.0 if strategy == "gather" else 1.5
+  assert host_bytes[1] == pytest.approx(growth * host_bytes[0], rel=0.05)
+
+
+def test_psum_gather_round_trips_every_payload_dtype():
+  mesh = jaxcomm.make_mesh(hosts=8, local=1)
+  from jaxcomm.collectives.strategies import psum_gather
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(("host", "local")), out_specs=P(),
+                     check_vma=False)
+  def run(x):
+    payload = {"f32": x[0], "u8": (x[0] * 10).astype(jnp.uint8)[:3],
+               "bf16": x[0].astype(jnp.bfloat16), "i32": jnp.arange(5) + 7}
+    return psum_gather(payload, "host")
+
+  x = jax.random.uniform(jax.random.PRNGKey(9), (8, 7)) * 20
+  gathered = run(x)
+  chex.assert_trees_all_equal(gathered["f32"], x)
+  chex.assert_trees_all_equal(gathered["u8"], (x * 10).astype(jnp.uint8)[:, :3])
+  chex.assert_trees_all_equal(gathered["bf16"], x.astype(jnp.bfloat16))
+  chex.assert_trees_all_equal(gathered["i32"], jnp.tile(jnp.arange(5) + 7, (8, 1)))

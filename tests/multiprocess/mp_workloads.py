@@ -21,11 +21,17 @@ from models.data import teacher_classification
 from models.mlp import classification_loss, init_mlp
 
 AXES = ("host", "local")
+# name -> (compressor, error feedback, strategy): every strategy of the slow axis.
 COMPRESSORS = {
-    "identity": (jaxcomm.identity(), False),
-    "topk-ef": (jaxcomm.topk(0.1), True),
-    "sign-ef": (jaxcomm.sign(), True),
-    "int8": (jaxcomm.quantize(8), False),
+    "identity": (jaxcomm.identity(), False, "gather"),
+    "topk-ef": (jaxcomm.topk(0.1), True, "gather"),
+    "sign-ef": (jaxcomm.sign(), True, "gather"),
+    "int8": (jaxcomm.quantize(8), False, "gather"),
+    "topk-ef-two-phase": (jaxcomm.topk(0.1), True, "two_phase"),
+    "sign-ef-two-phase": (jaxcomm.sign(), True, "two_phase"),
+    "randomk-linear": (jaxcomm.randomk(0.25, shared=True), False, "linear"),
+    "int8-shared-linear": (jaxcomm.shared_quantize("host", 2), False, "linear"),
+    "full-precision-dense": (None, False, None),
 }
 GRAD_SHAPES = {"kernel": (24, 10), "bias": (10,)}
 ALLREDUCE_STEPS = 3
@@ -61,8 +67,8 @@ def allreduce_results(mesh) -> dict[str, np.ndarray]:
   params = to_global({name: np.zeros(shape, np.float32) for name, shape in GRAD_SHAPES.items()},
                      mesh, P())
   results = {}
-  for name, (compressor, feedback) in COMPRESSORS.items():
-    tx = jaxcomm.compressed_allreduce(compressor, feedback=feedback, seed=7)
+  for name, (compressor, feedback, strategy) in COMPRESSORS.items():
+    tx = jaxcomm.compressed_allreduce(compressor, feedback=feedback, strategy=strategy, seed=7)
     state, specs = jaxcomm.sharded_init(tx, params, mesh)
 
     @jax.jit
@@ -85,7 +91,7 @@ def training_results(mesh) -> dict[str, np.ndarray]:
   graphdef, params = init_mlp(16, [32], 4, seed=0)
   loss_fn = classification_loss(graphdef)
   inputs, labels = teacher_classification(0, mesh.size * BATCH_PER_DEVICE * TRAIN_STEPS, 16, 4)
-  compressor, feedback = COMPRESSORS[TRAIN_COMPRESSOR]
+  compressor, feedback, _ = COMPRESSORS[TRAIN_COMPRESSOR]
   tx = optax.chain(jaxcomm.compressed_allreduce(compressor, feedback=feedback),
                    optax.adam(3e-3))
   params = to_global(params, mesh, P())
