@@ -1,9 +1,19 @@
 """Optax gradient transformations that communicate: compressed allreduce and friends."""
 
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compressed_allreduce
+from jaxcomm.optim.diloco import diloco
+from jaxcomm.optim.fedavg import fedavg, fedprox
 from jaxcomm.optim.gradients import local_grad, local_value_and_grad
+from jaxcomm.optim.local_sgd import local_sgd
+from jaxcomm.optim.local_training import (consensus_distance, device_mean, local_training_step,
+                                          to_device_local)
+from jaxcomm.optim.periodic import PeriodicState, periodic_averaging
 from jaxcomm.optim.sharding import sharded_init, state_specs
+from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
 from jaxcomm.optim.train_step import data_parallel_step
 
-__all__ = ["CompressedAllReduceState", "compressed_allreduce", "data_parallel_step", "local_grad",
-           "local_value_and_grad", "sharded_init", "state_specs"]
+__all__ = ["CompressedAllReduceState", "PeriodicState", "SlowMomentumState",
+           "compressed_allreduce", "consensus_distance", "data_parallel_step", "device_mean",
+           "diloco", "fedavg", "fedprox", "local_grad", "local_sgd", "local_training_step",
+           "local_value_and_grad", "periodic_averaging", "sharded_init", "slow_momentum",
+           "slowmo", "state_specs", "to_device_local"]
