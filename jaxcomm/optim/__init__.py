@@ -1,5 +1,6 @@
 """Optax gradient transformations that communicate: compressed allreduce and friends."""
 
+from jaxcomm.optim.accumulation import AccumulationState, accumulate_gradients
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compressed_allreduce
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.fedavg import fedavg, fedprox
@@ -10,10 +11,11 @@ from jaxcomm.optim.local_training import (consensus_distance, device_mean, local
 from jaxcomm.optim.periodic import PeriodicState, periodic_averaging
 from jaxcomm.optim.sharding import sharded_init, state_specs
 from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
+from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
-__all__ = ["CompressedAllReduceState", "PeriodicState", "SlowMomentumState",
-           "compressed_allreduce", "consensus_distance", "data_parallel_step", "device_mean",
+__all__ = ["AccumulationState", "CompressedAllReduceState", "PeriodicState",
+           "SlowMomentumState", "StalenessState", "accumulate_gradients", "compressed_allreduce", "consensus_distance", "data_parallel_step", "device_mean",
            "diloco", "fedavg", "fedprox", "local_grad", "local_sgd", "local_training_step",
            "local_value_and_grad", "periodic_averaging", "sharded_init", "slow_momentum",
-           "slowmo", "state_specs", "to_device_local"]
+           "slowmo", "staleness", "state_specs", "to_device_local"]
