@@ -2,6 +2,7 @@
 
 from jaxcomm.optim.accumulation import AccumulationState, accumulate_gradients
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compressed_allreduce
+from jaxcomm.optim.dgc import DGCState, dgc
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.fedavg import fedavg, fedprox
 from jaxcomm.optim.gradients import local_grad, local_value_and_grad
@@ -14,8 +15,8 @@ from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
 from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
-__all__ = ["AccumulationState", "CompressedAllReduceState", "PeriodicState",
+__all__ = ["AccumulationState", "CompressedAllReduceState", "DGCState", "PeriodicState",
            "SlowMomentumState", "StalenessState", "accumulate_gradients", "compressed_allreduce", "consensus_distance", "data_parallel_step", "device_mean",
-           "diloco", "fedavg", "fedprox", "local_grad", "local_sgd", "local_training_step",
+           "dgc", "diloco", "fedavg", "fedprox", "local_grad", "local_sgd", "local_training_step",
            "local_value_and_grad", "periodic_averaging", "sharded_init", "slow_momentum",
            "slowmo", "staleness", "state_specs", "to_device_local"]
