@@ -5,6 +5,7 @@ from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compres
 from jaxcomm.optim.dgc import DGCState, dgc
 from jaxcomm.optim.diloco import diloco
 from jaxcomm.optim.fedavg import fedavg, fedprox
+from jaxcomm.optim.gossip import GRAPHS, GossipState, check_mixing_matrix, gossip
 from jaxcomm.optim.gradients import local_grad, local_value_and_grad
 from jaxcomm.optim.local_sgd import local_sgd
 from jaxcomm.optim.local_training import (consensus_distance, device_mean, local_training_step,
@@ -15,8 +16,9 @@ from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
 from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
-__all__ = ["AccumulationState", "CompressedAllReduceState", "DGCState", "PeriodicState",
+__all__ = ["AccumulationState", "CompressedAllReduceState", "DGCState", "GRAPHS", "GossipState",
+           "PeriodicState",
            "SlowMomentumState", "StalenessState", "accumulate_gradients", "compressed_allreduce", "consensus_distance", "data_parallel_step", "device_mean",
-           "dgc", "diloco", "fedavg", "fedprox", "local_grad", "local_sgd", "local_training_step",
+           "dgc", "diloco", "fedavg", "fedprox", "gossip", "check_mixing_matrix", "local_grad", "local_sgd", "local_training_step",
            "local_value_and_grad", "periodic_averaging", "sharded_init", "slow_momentum",
            "slowmo", "staleness", "state_specs", "to_device_local"]
