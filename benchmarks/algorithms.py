@@ -6,7 +6,7 @@ each algorithm and prints, per algorithm, the inter-host bytes each device sends
 ``lax.cond``/``lax.switch``, are divided by how often they run) and the final held-out loss
 next to synchronous fp32 SGD's.
 
-    python -m benchmarks.algorithms --steps 300
+    python -m benchmarks.algorithms --steps 200
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--lr", type=float, default=0.1)
+  parser.add_argument("--hidden", default="64,64", help="comma-separated hidden widths")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
@@ -66,7 +67,7 @@ def main() -> None:
   from models.mlp import classification_loss, init_mlp
 
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  graphdef, initial = init_mlp(64, [256, 256], 10, seed=0)
+  graphdef, initial = init_mlp(64, [int(w) for w in args.hidden.split(",")], 10, seed=0)
   loss_fn = classification_loss(graphdef)
   inputs, labels = teacher_classification(0, 8 * 32 * 100 + 4096, 64, 10)
   held_out = (inputs[-4096:], labels[-4096:])
