@@ -18,8 +18,10 @@ from jaxcomm.parallel import (dense_attention, from_layout, gather_sequence, hyb
                               reduce_scatter_sequence, ring_attention, shard_positions,
                               split_sequence, tile_counts, to_layout, ulysses_attention)
 from jaxcomm.planner import Plan, plan
-from jaxcomm.optim import (CompressedAllReduceState, compressed_allreduce, data_parallel_step,
-                           dynamic_loss_scale,
+from jaxcomm.optim import (CompressedAllReduceState, accumulate_gradients, compressed_allreduce,
+                           consensus_distance, data_parallel_step, device_mean, dgc, diloco,
+                           dynamic_loss_scale, fedavg, fedprox, gossip, local_sgd,
+                           local_training_step, slowmo, staleness, to_device_local,
                            local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
                            state_specs)
 from jaxcomm.topology import make_mesh
@@ -28,14 +30,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
-    "accounting", "adaptive_threshold", "cast", "collectives", "compose", "compress",
-    "compressed_allreduce", "costmodel", "count_sketch", "data_parallel_step", "dense_attention",
-    "distributed", "dynamic_loss_scale", "error_feedback", "from_layout", "gather_sequence",
-    "hierarchical_allreduce", "hybrid_attention", "identity", "launch", "level", "link", "links",
-    "local_grad", "local_value_and_grad", "majority_vote", "make_mesh", "natural", "optim",
-    "parallel", "payload_nbytes", "plan", "policy", "powersgd", "powersgd_allreduce", "predict",
-    "project", "psum_payload", "qsgd", "quantize", "randomk", "reduce_scatter_sequence",
-    "ring_attention", "selective", "shard_positions", "sharded_init", "shared_quantize", "sign",
-    "sign_vote", "split_sequence", "state_specs", "step_time", "sum_payloads", "terngrad",
-    "threshold", "tile_counts", "to_layout", "topk", "ulysses_attention",
+    "accounting", "accumulate_gradients", "adaptive_threshold", "cast", "collectives", "compose",
+    "compress", "compressed_allreduce", "consensus_distance", "costmodel", "count_sketch",
+    "data_parallel_step", "dense_attention", "device_mean", "dgc", "diloco", "distributed",
+    "dynamic_loss_scale", "error_feedback", "fedavg", "fedprox", "from_layout", "gather_sequence",
+    "gossip", "hierarchical_allreduce", "hybrid_attention", "identity", "launch", "level", "link",
+    "links", "local_grad", "local_sgd", "local_training_step", "local_value_and_grad",
+    "majority_vote", "make_mesh", "natural", "optim", "parallel", "payload_nbytes", "plan",
+    "policy", "powersgd", "powersgd_allreduce", "predict", "project", "psum_payload", "qsgd",
+    "quantize", "randomk", "reduce_scatter_sequence", "ring_attention", "selective",
+    "shard_positions", "sharded_init", "shared_quantize", "sign", "sign_vote", "slowmo",
+    "split_sequence", "staleness", "state_specs", "step_time", "sum_payloads", "terngrad",
+    "threshold", "tile_counts", "to_device_local", "to_layout", "topk", "ulysses_attention",
 ]

@@ -1,11 +1,29 @@
 """Optax gradient transformations that communicate: compressed allreduce and friends."""
 
+from jaxcomm.optim.accumulation import AccumulationState, accumulate_gradients
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compressed_allreduce
+from jaxcomm.optim.dgc import DGCState, dgc
+from jaxcomm.optim.diloco import diloco
+from jaxcomm.optim.fedavg import fedavg, fedprox
+from jaxcomm.optim.gossip import GRAPHS, GossipState, check_mixing_matrix, gossip
 from jaxcomm.optim.gradients import local_grad, local_value_and_grad
+from jaxcomm.optim.local_sgd import local_sgd
+from jaxcomm.optim.local_training import (consensus_distance, device_mean, local_training_step,
+                                          to_device_local)
 from jaxcomm.optim.loss_scale import DynamicLossScaleState, dynamic_loss_scale
+from jaxcomm.optim.periodic import PeriodicState, periodic_averaging
 from jaxcomm.optim.powersgd import PowerSGDAllReduceState, powersgd_allreduce
 from jaxcomm.optim.sharding import sharded_init, state_specs
+from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
+from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
-__all__ = ["CompressedAllReduceState", "DynamicLossScaleState", "dynamic_loss_scale", "PowerSGDAllReduceState", "powersgd_allreduce", "compressed_allreduce", "data_parallel_step", "local_grad",
-           "local_value_and_grad", "sharded_init", "state_specs"]
+__all__ = [
+    "AccumulationState", "CompressedAllReduceState", "DGCState", "DynamicLossScaleState", "GRAPHS",
+    "GossipState", "PeriodicState", "PowerSGDAllReduceState", "SlowMomentumState",
+    "StalenessState", "accumulate_gradients", "check_mixing_matrix", "compressed_allreduce",
+    "consensus_distance", "data_parallel_step", "device_mean", "dgc", "diloco",
+    "dynamic_loss_scale", "fedavg", "fedprox", "gossip", "local_grad", "local_sgd",
+    "local_training_step", "local_value_and_grad", "periodic_averaging", "powersgd_allreduce",
+    "sharded_init", "slow_momentum", "slowmo", "staleness", "state_specs", "to_device_local",
+]

@@ -1,0 +1,63 @@
+"""Deep Gradient Compression: degenerate case, masking, warm-up, training, resume, errors."""
+
+import chex
+import jax
+import numpy as np
+import optax
+import pytest
+
+import jaxcomm
+from jaxcomm.optim.dgc import dgc
+from lowcomm_helpers import DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd, train
+
+LR = 0.1
+
+
+@pytest.mark.parametrize("strategy", ["gather", "two_phase"])
+def test_density_one_without_masking_is_momentum_sgd(strategy):
+  expected = train(optax.chain(jaxcomm.compressed_allreduce(), optax.sgd(LR, momentum=0.9)),
+                   3)[0]
+  tx = optax.chain(dgc(1.0, momentum_masking=False, strategy=strategy), optax.sgd(LR))
+  chex.assert_trees_all_close(train(tx, 3)[0], expected, atol=1e-6)
+
+
+def _zero_fraction(tree):
+  """Per leaf, the fraction of zeros in each device's slice (devices stacked first)."""
+  return [np.mean(np.asarray(x).reshape(DEVICES, -1) == 0, axis=1)
+          for x in jax.tree.leaves(tree)]
+
+
+def test_warmup_density_then_final_density_and_momentum_masking():
+  _, params, _, _ = problem()
+  sizes = [x.size for x in jax.tree.leaves(params)]
+  state = train(dgc(0.1, warmup_densities=(0.5,), warmup_steps=1), 1)[1]
+  for fraction, size in zip(_zero_fraction(state.velocity), sizes):
+    np.testing.assert_allclose(fraction, (size // 2) / size)  # sent half: zeroed in v
+  for u, v in zip(jax.tree.leaves(state.momentum), jax.tree.leaves(state.velocity)):
+    np.testing.assert_array_equal(np.asarray(u) == 0, np.asarray(v) == 0)  # masked where sent
+  state = train(dgc(0.1), 1)[1]
+  for fraction, size in zip(_zero_fraction(state.velocity), sizes):
+    np.testing.assert_allclose(fraction, max(1, int(0.1 * size)) / size)
+
+
+@pytest.mark.parametrize("strategy", ["gather", "two_phase"])
+def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy):
+  tx = optax.chain(dgc(0.05, warmup_steps=4, clip_norm=10.0, strategy=strategy), optax.sgd(LR))
+  params, state, losses, step, specs = train(tx, 60)
+  assert eval_loss(params) < eval_loss(sync_sgd(LR, 60)[0]) + 0.1, losses
+  data, mesh = problem()[2:]
+  two = lambda p, s: step(*step(p, s, batch(data, 60))[:2], batch(data, 61))[:2]
+  chex.assert_trees_all_equal(two(params, state), two(params, numpy_roundtrip(state, specs, mesh)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"density": 0.0}, r"density must be in \(0, 1\], got 0.0"),
+    ({"density": 1.5}, r"density must be in \(0, 1\], got 1.5"),
+    ({"warmup_densities": (0.25, 2.0)}, r"warmup_densities must be in \(0, 1\], got 2.0"),
+    ({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
+    ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
+    ({"strategy": "linear"}, "strategy must be 'gather' or 'two_phase', got 'linear'"),
+])
+def test_bad_arguments_raise(kwargs, match):
+  with pytest.raises((ValueError, TypeError), match=match):
+    dgc(**kwargs)
