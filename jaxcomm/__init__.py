@@ -21,7 +21,7 @@ from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, accumulate_gradients, compressed_allreduce,
                            consensus_distance, data_parallel_step, device_mean, dgc, diloco,
                            dynamic_loss_scale, fedavg, fedprox, gossip, local_sgd,
-                           local_training_step, slowmo, staleness, to_device_local,
+                           local_training_step, onebit_adam, slowmo, staleness, to_device_local,
                            local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
                            state_specs)
 from jaxcomm.topology import make_mesh
@@ -29,6 +29,7 @@ from jaxcomm.topology import make_mesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "onebit_adam",
     "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
     "accounting", "accumulate_gradients", "adaptive_threshold", "cast", "collectives", "compose",
     "compress", "compressed_allreduce", "consensus_distance", "costmodel", "count_sketch",

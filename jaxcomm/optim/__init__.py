@@ -11,6 +11,7 @@ from jaxcomm.optim.local_sgd import local_sgd
 from jaxcomm.optim.local_training import (consensus_distance, device_mean, local_training_step,
                                           to_device_local)
 from jaxcomm.optim.loss_scale import DynamicLossScaleState, dynamic_loss_scale
+from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomm.optim.periodic import PeriodicState, periodic_averaging
 from jaxcomm.optim.powersgd import PowerSGDAllReduceState, powersgd_allreduce
 from jaxcomm.optim.sharding import sharded_init, state_specs
@@ -19,6 +20,7 @@ from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
 __all__ = [
+    "OneBitAdamState", "onebit_adam",
     "AccumulationState", "CompressedAllReduceState", "DGCState", "DynamicLossScaleState", "GRAPHS",
     "GossipState", "PeriodicState", "PowerSGDAllReduceState", "SlowMomentumState",
     "StalenessState", "accumulate_gradients", "check_mixing_matrix", "compressed_allreduce",
