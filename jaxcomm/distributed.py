@@ -21,6 +21,7 @@ COORDINATOR_ENV = "JAXCOMM_COORDINATOR"
 NUM_PROCESSES_ENV = "JAXCOMM_NUM_PROCESSES"
 PROCESS_ID_ENV = "JAXCOMM_PROCESS_ID"
 LOCAL_DEVICES_ENV = "JAXCOMM_LOCAL_DEVICES"
+HEARTBEAT_TIMEOUT_ENV = "JAXCOMM_HEARTBEAT_TIMEOUT"
 
 
 def _check_int(name: str, value, minimum: int) -> None:
@@ -64,8 +65,13 @@ def initialize(
     local_devices: CPU devices this process simulates; ``None`` uses the platform's devices
       as they are (one CPU device, or the GPUs visible through ``CUDA_VISIBLE_DEVICES``).
     initialization_timeout: seconds to wait for all processes to join.
-    heartbeat_timeout: seconds without a heartbeat after which a process counts as dead and
-      the job fails.
+    heartbeat_timeout: seconds without a heartbeat after which a process counts as dead: the
+      coordination service (in process 0) then terminates every other process with an error
+      naming the dead one ("The following tasks are unhealthy (stopped sending heartbeats)").
+      A process blocked in a collective with a dead peer waits for this. If process 0 itself
+      dies, the others fail at once (their coordination calls fail). The default of 100 s
+      tolerates long pauses; measured detection time is ``heartbeat_timeout`` + under 1 s
+      (docs/reliability.md).
     shutdown_timeout: seconds process 0 waits for the others at exit.
 
   Raises:
@@ -117,7 +123,8 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
   """Calls :func:`initialize` with the variables ``python -m jaxcomm.launch`` sets, if set.
 
   The variables are ``JAXCOMM_COORDINATOR`` (``host:port``), ``JAXCOMM_NUM_PROCESSES``,
-  ``JAXCOMM_PROCESS_ID`` and, optionally, ``JAXCOMM_LOCAL_DEVICES``. A program can call this
+  ``JAXCOMM_PROCESS_ID`` and, optionally, ``JAXCOMM_LOCAL_DEVICES`` and
+  ``JAXCOMM_HEARTBEAT_TIMEOUT`` (seconds, see :func:`initialize`). A program can call this
   unconditionally at start: run directly, it stays a single process.
 
   Args:
@@ -141,6 +148,8 @@ def initialize_from_env(environ: Mapping[str, str] | None = None) -> bool:
                      f"{', '.join(required)} (python -m jaxcomm.launch does).")
   local_devices = (_env_int(environ, LOCAL_DEVICES_ENV) if LOCAL_DEVICES_ENV in environ
                    else None)
+  timeouts = ({"heartbeat_timeout": _env_int(environ, HEARTBEAT_TIMEOUT_ENV)}
+              if HEARTBEAT_TIMEOUT_ENV in environ else {})
   initialize(environ[COORDINATOR_ENV], _env_int(environ, NUM_PROCESSES_ENV),
-             _env_int(environ, PROCESS_ID_ENV), local_devices)
+             _env_int(environ, PROCESS_ID_ENV), local_devices, **timeouts)
   return True

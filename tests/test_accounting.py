@@ -16,7 +16,8 @@ AXES = ("host", "local")
 
 
 def _step(mesh, compressor, params, **kwargs):
-  tx = jaxcomm.compressed_allreduce(compressor, **kwargs)
+  # Payload formulas only: nonfinite='skip' adds a 4-byte agreement (tests/reliability).
+  tx = jaxcomm.compressed_allreduce(compressor, nonfinite="propagate", **kwargs)
   state, specs = jaxcomm.sharded_init(tx, params, mesh)
 
   @jax.jit

@@ -103,7 +103,8 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
   seed = check_int_range("seed", seed, 0)
 
   def gain(size: int) -> float:
-    return size / randomk_count(size, fraction) if scale else 1.0
+    count = randomk_count(size, fraction)
+    return size / count if scale and count else 1.0  # an empty array keeps k = 0
 
   def init(shape, dtype):
     del dtype

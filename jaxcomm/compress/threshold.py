@@ -132,6 +132,8 @@ def adaptive_threshold(density: float, *, capacity: float | None = None,
 
   def threshold_of(magnitude: jax.Array, key: jax.Array) -> jax.Array:
     size = magnitude.shape[0]
+    if size == 0:  # nothing to sample: no element passes
+      return jnp.array(jnp.inf, jnp.float32)
     drawn = max(1, math.ceil(sample * size))
     positions = jax.random.randint(key, (drawn,), 0, size)
     rank = max(1, math.floor(density * drawn))

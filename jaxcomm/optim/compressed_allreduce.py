@@ -13,9 +13,14 @@ from jaxcomm.collectives import buckets as bucketing
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
-from jaxcomm.compress.base import Compressor, check_float_input
+from jaxcomm.collectives.strategies import TwoPhaseState
+from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
+from jaxcomm.compress.error_feedback import ErrorFeedbackState
 from jaxcomm.compress.policy import CompressionPolicy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+
+NONFINITE_MODES = ("skip", "zero", "propagate")
+RESIDUAL_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
 class CompressedAllReduceState(NamedTuple):
@@ -29,11 +34,14 @@ class CompressedAllReduceState(NamedTuple):
       a leaf of shape ``(n,)`` is this device's; outside it is the concatenation over devices,
       sharded along its first dimension. :func:`jaxcomm.sharded_init` builds these specs.
     key: PRNG key, replicated; split every step.
-    count: int32 step counter, replicated.
+    count: int32 step counter, replicated; a skipped step does not count.
+    skipped_steps: int32, replicated: steps skipped by ``nonfinite='skip'`` because some
+      device's gradients held a NaN or Inf.
   """
   level_states: tuple
   key: jax.Array
   count: jax.Array
+  skipped_steps: jax.Array
 
 
 def _check_two_level_axes(fast_axis, slow_axis) -> None:
@@ -64,6 +72,41 @@ def _leaf_topologies(compressor, strategy, feedback, levels, fast_axis, slow_axi
   return topologies, lambda tree: [distinct.index(id(c)) for c in compressor.assign(tree)]
 
 
+def _is_residual_node(node) -> bool:
+  return isinstance(node, (ErrorFeedbackState, TwoPhaseState))
+
+
+def _cast_residuals(level_states, dtype):
+  """``level_states`` with every error-feedback residual (worker and server) cast to ``dtype``."""
+  def cast(node):
+    if isinstance(node, ErrorFeedbackState):
+      return node._replace(residual=node.residual.astype(dtype))
+    if isinstance(node, TwoPhaseState):
+      return TwoPhaseState(*(residual.astype(dtype) for residual in node))
+    return node
+  return jax.tree.map(cast, level_states, is_leaf=_is_residual_node)
+
+
+def _any_nonfinite(leaves, axes) -> jax.Array:
+  """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
+  if not leaves:
+    return jnp.zeros((), jnp.bool_)
+  local = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
+  return jax.lax.pmax(local.astype(jnp.int32), axes) > 0
+
+
+def _keep_finite(new, old):
+  """``new`` with every non-finite floating-point entry replaced by its value in ``old``.
+
+  Error feedback already keeps a residual whose own input was not finite; this also covers
+  state computed from other devices' data, such as the server residual of a two-phase level
+  that received a NaN.
+  """
+  return jax.tree.map(
+      lambda n, o: jnp.where(jnp.isfinite(n), n, o) if jnp.issubdtype(n.dtype, jnp.inexact)
+      else n, new, old)
+
+
 def compressed_allreduce(
     compressor: Compressor | None = None,
     *,
@@ -74,6 +117,8 @@ def compressed_allreduce(
     fast_axis: str = LOCAL_AXIS,
     slow_axis: str = HOST_AXIS,
     seed: int = 0,
+    nonfinite: str = "skip",
+    residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
   """Averages per-device gradients: full precision inside a host, compressed across hosts.
 
@@ -103,6 +148,17 @@ def compressed_allreduce(
     fast_axis: the intra-host mesh axis name (two-level form).
     slow_axis: the inter-host mesh axis name (two-level form).
     seed: seed of the PRNG key used by stochastic compressors.
+    nonfinite: what a NaN or Inf in any device's gradients does to the step. All devices
+      ``'skip'`` (default): the devices agree with one 4-byte ``pmax`` over every mesh axis
+      (``2(N-1)/N * 4`` bytes per device for ``N`` devices), and if any saw one, every device
+      returns zero updates and the state unchanged except ``skipped_steps``. ``'zero'``:
+      non-finite entries are replaced by 0 before the reduction (no agreement needed).
+      ``'propagate'``: the mean carries them on to the next transformation. In every mode
+      residuals and other floating-point state never take a non-finite value: an entry that
+      would keeps its previous value.
+    residual_dtype: dtype the error-feedback residuals (worker and server) are kept in between
+      steps: ``float32`` (default) or ``bfloat16``, which halves their memory and rounds what
+      is carried over to 8 significant bits. They are widened to float32 for the update.
 
   Returns:
     An ``optax.GradientTransformation``. ``update(grads, state, params=None)`` expects this
@@ -120,6 +176,9 @@ def compressed_allreduce(
     raise TypeError(f"feedback must be a bool, got {feedback!r}.")
   if isinstance(seed, bool) or not isinstance(seed, int):
     raise TypeError(f"seed must be an int, got {seed!r}.")
+  if nonfinite not in NONFINITE_MODES:
+    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}.")
+  residual_dtype = check_dtype("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
   topologies, topology_of_leaves = _leaf_topologies(compressor, strategy, feedback, levels,
                                                     fast_axis, slow_axis)
   bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes)
@@ -133,11 +192,13 @@ def compressed_allreduce(
     require_axes(axes, "compressed_allreduce.init")
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    level_states = tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
+                         for bucket in plan(params))
     return CompressedAllReduceState(
-        level_states=tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
-                           for bucket in plan(params)),
+        level_states=_cast_residuals(level_states, residual_dtype),
         key=jax.random.PRNGKey(seed),
-        count=jnp.zeros((), jnp.int32))
+        count=jnp.zeros((), jnp.int32),
+        skipped_steps=jnp.zeros((), jnp.int32))
 
   def update(grads, state: CompressedAllReduceState, params=None):
     del params
@@ -147,17 +208,27 @@ def compressed_allreduce(
     require_varying(grads, axes, "compressed_allreduce.update")
     key, step_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(grads)
+    if nonfinite == "zero":
+      leaves = [jnp.where(jnp.isfinite(leaf), leaf, jnp.zeros_like(leaf)) for leaf in leaves]
     means: list[Any] = [None] * len(leaves)
     new_states = []
-    for index, (bucket, level_states) in enumerate(zip(plan(grads), state.level_states)):
+    wide_states = _cast_residuals(state.level_states, jnp.float32)
+    for index, (bucket, level_states) in enumerate(zip(plan(grads), wide_states)):
       mean, level_states = hierarchical_allreduce(
           bucketing.pack(leaves, bucket), topologies[bucket.group], level_states,
           jax.random.fold_in(step_key, index))
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
         means[leaf_index] = leaf_mean
       new_states.append(level_states)
-    new_state = CompressedAllReduceState(level_states=tuple(new_states), key=key,
-                                         count=state.count + 1)
+    new_states = _keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
+                              state.level_states)
+    new_state = CompressedAllReduceState(level_states=new_states, key=key, count=state.count + 1,
+                                         skipped_steps=state.skipped_steps)
+    if nonfinite == "skip":
+      skip = _any_nonfinite(leaves, axes)
+      new_state = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state,
+                               state)._replace(skipped_steps=state.skipped_steps + skip)
+      means = [jnp.where(skip, jnp.zeros_like(mean), mean) for mean in means]
     return treedef.unflatten(means), new_state
 
   return optax.GradientTransformation(init, update)
