@@ -4,8 +4,8 @@ Gradients are reduced at full precision over the fast mesh axis (inside a host) 
 compressed, with error feedback, over the slow axis (between hosts).
 """
 
-from jaxcomm import (accounting, collectives, compress, costmodel, distributed, launch, links,
-                     optim, parallel)
+from jaxcomm import (accounting, checkpoint, collectives, compress, costmodel, distributed,
+                     launch, links, optim, parallel)
 from jaxcomm.collectives import Level, hierarchical_allreduce, level
 from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold, cast,
                               compose, count_sketch, error_feedback, identity, natural,
@@ -21,7 +21,7 @@ from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, accumulate_gradients, compressed_allreduce,
                            consensus_distance, data_parallel_step, device_mean, dgc, diloco,
                            dynamic_loss_scale, fedavg, fedprox, gossip, local_sgd,
-                           local_training_step, onebit_adam, slowmo, staleness, to_device_local,
+                           local_training_step, onebit_adam, skip_nonfinite, slowmo, staleness, to_device_local,
                            local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
                            state_specs)
 from jaxcomm.topology import make_mesh
@@ -29,6 +29,8 @@ from jaxcomm.topology import make_mesh
 __version__ = "0.1.0"
 
 __all__ = [
+    "skip_nonfinite",
+    "checkpoint",
     "onebit_adam",
     "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
     "accounting", "accumulate_gradients", "adaptive_threshold", "cast", "collectives", "compose",

@@ -11,6 +11,7 @@ from jaxcomm.optim.local_sgd import local_sgd
 from jaxcomm.optim.local_training import (consensus_distance, device_mean, local_training_step,
                                           to_device_local)
 from jaxcomm.optim.loss_scale import DynamicLossScaleState, dynamic_loss_scale
+from jaxcomm.optim.nonfinite import SkipNonFiniteState, skip_nonfinite
 from jaxcomm.optim.onebit_adam import OneBitAdamState, onebit_adam
 from jaxcomm.optim.periodic import PeriodicState, periodic_averaging
 from jaxcomm.optim.powersgd import PowerSGDAllReduceState, powersgd_allreduce
@@ -20,6 +21,7 @@ from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
 
 __all__ = [
+    "SkipNonFiniteState", "skip_nonfinite",
     "OneBitAdamState", "onebit_adam",
     "AccumulationState", "CompressedAllReduceState", "DGCState", "DynamicLossScaleState", "GRAPHS",
     "GossipState", "PeriodicState", "PowerSGDAllReduceState", "SlowMomentumState",

@@ -17,6 +17,7 @@ from jaxcomm.collectives.strategies import TwoPhaseState
 from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
 from jaxcomm.compress.error_feedback import ErrorFeedbackState
 from jaxcomm.compress.policy import CompressionPolicy
+from jaxcomm.optim.nonfinite import any_nonfinite
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
 NONFINITE_MODES = ("skip", "zero", "propagate")
@@ -85,14 +86,6 @@ def _cast_residuals(level_states, dtype):
       return TwoPhaseState(*(residual.astype(dtype) for residual in node))
     return node
   return jax.tree.map(cast, level_states, is_leaf=_is_residual_node)
-
-
-def _any_nonfinite(leaves, axes) -> jax.Array:
-  """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
-  if not leaves:
-    return jnp.zeros((), jnp.bool_)
-  local = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
-  return jax.lax.pmax(local.astype(jnp.int32), axes) > 0
 
 
 def _keep_finite(new, old):
@@ -225,7 +218,7 @@ def compressed_allreduce(
     new_state = CompressedAllReduceState(level_states=new_states, key=key, count=state.count + 1,
                                          skipped_steps=state.skipped_steps)
     if nonfinite == "skip":
-      skip = _any_nonfinite(leaves, axes)
+      skip = any_nonfinite(leaves, axes)
       new_state = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state,
                                state)._replace(skipped_steps=state.skipped_steps + skip)
       means = [jnp.where(skip, jnp.zeros_like(mean), mean) for mean in means]
