@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import platform
 
 import jax
@@ -66,6 +67,16 @@ def _project(args, methods: list[str], setting: Setting) -> list[dict]:
   return rows
 
 
+def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, list[float]]:
+  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`."""
+  shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
+  return {name: [1e3 * REGISTRY[name].project(
+      setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL, figures.FAST_LINK,
+      jaxcomm.Link("sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
+      for bandwidth in plots.BANDWIDTHS]
+          for name in methods if REGISTRY[name].project is not None}
+
+
 def _line(row: dict) -> str:
   """The one-line record of a finished run (also what a launched job's log shows)."""
   if "error" in row:
@@ -93,24 +104,27 @@ def scan(args: argparse.Namespace) -> int:
         progress.console.print(f"{model}: {task.description}; mesh {mesh_name}: {hosts} hosts "
                                f"x {local} local devices; {steps} steps")
       progress.update(bar, description=f"{model} {mesh_name} {method}")
+      # Shorter runs of the plan time (and average the loss over) their last half at most.
+      window = min(args.timed_steps, max(1, steps // 2))
       row = {"model": model, "mesh": mesh_name, "hosts": hosts, "local": local,
-             "method": method, "steps": steps}
+             "method": method, "steps": steps, "window": window}
       mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
       try:
         row |= run(task, REGISTRY[method], mesh, _setting(args, task, hosts, local), steps,
-                   args.timed_steps, lambda: progress.advance(bar))
+                   window, lambda: progress.advance(bar))
       except (ValueError, TypeError, NotImplementedError) as error:
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
       rows.append(row)
       progress.console.print(_line(row), highlight=False)
-  figures.derive(rows, args.timed_steps)
+  figures.derive(rows)
   first = next(iter(tasks.values()))
-  projected = _project(args, list(dict.fromkeys(m for *_, m, _ in runs)),
-                       _setting(args, first, PROJECTION_HOSTS, PROJECTION_LOCAL))
-  output.print_tables(console, rows, projected,
-                      f"Modeled (not measured) gradient allreduce of {args.projection_model} "
+  methods = list(dict.fromkeys(m for *_, m, _ in runs))
+  big_setting = _setting(args, first, PROJECTION_HOSTS, PROJECTION_LOCAL)
+  projected = _project(args, methods, big_setting)
+  projection_title = (f"Modeled (not measured) gradient allreduce of {args.projection_model} "
                       f"per step on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs, "
                       "NVLink 4 inside hosts; x fp32: speedup of the allreduce time")
+  output.print_tables(console, rows, projected, projection_title)
   for model, mesh in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
     best = figures.best_within(rows, model, mesh, 1.0)
     if best is not None and best["ratio_vs_fp32"] is not None:
@@ -125,8 +139,13 @@ def scan(args: argparse.Namespace) -> int:
       "clusters": figures.CLUSTERS, "fast_link": figures.FAST_LINK}
   if jax.process_index() != 0:  # in a launched job, the first process writes the files
     return 0
-  written = output.write_files(args.out, meta, rows, projected)
-  written += plots.write_plots(args.out, rows, args.timed_steps,
+  written = output.write_files(args.out, meta, rows, projected, projection_title)
+  written += plots.write_plots(args.out, rows,
                                {name: task.description for (name, _), task in tasks.items()})
+  written.append(os.path.join(args.out, f"projection_vs_bandwidth_{args.projection_model}.png"))
+  plots.projection_vs_bandwidth(
+      _projection_curves(args, methods, big_setting), written[-1],
+      f"{args.projection_model} gradients on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs "
+      "(modeled), NVLink 4 inside hosts")
   console.print("wrote " + ", ".join(written), highlight=False)
   return 0

@@ -14,6 +14,8 @@ from jaxcomm import costmodel, links
 
 FAST_LINK = "nvlink4"
 #: Modeled clusters: ``{label: slow (inter-host) link preset}``, NVLink 4 inside each host.
+#: Iso-quality target: fp32's final training loss plus this fraction of it.
+ISO_TOLERANCE = 0.01
 CLUSTERS = {"nvlink+ib-hdr": "ib-hdr", "nvlink+100gbe": "100gbe", "nvlink+10gbe": "10gbe",
             "nvlink+1gbe": "1gbe"}
 
@@ -48,18 +50,19 @@ def _ratio(reference: float | None, value: float) -> float | None:
   return float("inf") if value == 0 else reference / value
 
 
-def derive(rows: list[dict], window: int) -> None:
+def derive(rows: list[dict]) -> None:
   """Adds the derived figures to every successful row, in place.
 
-  Adds ``final_train_loss`` (mean of the last ``window`` losses), ``median_step_ms``,
+  Adds ``final_train_loss`` (mean of the last ``row['window']`` losses), ``median_step_ms``,
   ``ratio_vs_fp32``,
   ``ratio_vs_fp32_hier`` (inter-host bytes), ``held_out_gap_pct``, ``train_gap_pct``,
-  ``overhead_pct`` (median step time against ``identity``), ``iso_quality_steps`` (to fp32's
-  final train loss; ``None``: not reached), ``modeled_ms`` and ``speedup`` per cluster.
+  ``overhead_pct`` (median step time against ``identity``), ``iso_quality_steps`` (to within
+  :data:`ISO_TOLERANCE` of fp32's final train loss; ``None``: not reached), ``modeled_ms``
+  and ``speedup`` per cluster.
   """
   ok = [row for row in rows if "error" not in row]
   for row in ok:
-    row["final_train_loss"] = float(np.mean(row["losses"][-window:]))
+    row["final_train_loss"] = float(np.mean(row["losses"][-row["window"]:]))
     row["median_step_ms"] = 1e3 * row["median_step_s"]
     row["modeled_ms"] = {name: 1e3 * modeled_seconds(row["median_step_s"], row["report"], slow)
                          for name, slow in CLUSTERS.items()}
@@ -75,7 +78,8 @@ def derive(rows: list[dict], window: int) -> None:
                             if fp32 else None)
     row["overhead_pct"] = (100 * (row["median_step_s"] / identity["median_step_s"] - 1)
                            if identity else None)
-    row["iso_quality_steps"] = (iso_quality_steps(row["losses"], fp32["final_train_loss"], window)
+    row["iso_quality_steps"] = (iso_quality_steps(
+        row["losses"], (1 + ISO_TOLERANCE) * fp32["final_train_loss"], row["window"])
                                 if fp32 else None)
     row["speedup"] = ({name: fp32["modeled_ms"][name] / ms
                        for name, ms in row["modeled_ms"].items()} if fp32 else None)
@@ -83,7 +87,9 @@ def derive(rows: list[dict], window: int) -> None:
 
 def best_within(rows: list[dict], model: str, mesh: str, tolerance_pct: float) -> dict | None:
   """The row with the highest ``ratio_vs_fp32`` whose held-out loss is within
-  ``tolerance_pct`` of fp32's (``None`` when fp32 was not run or no row qualifies)."""
+  ``tolerance_pct`` of fp32's (``None`` when fp32 was not run, no inter-host bytes were sent
+  or no row qualifies)."""
   eligible = [r for r in rows if "error" not in r and (r["model"], r["mesh"]) == (model, mesh)
-              and r["held_out_gap_pct"] is not None and r["held_out_gap_pct"] <= tolerance_pct]
+              and r["ratio_vs_fp32"] is not None and r["held_out_gap_pct"] is not None
+              and r["held_out_gap_pct"] <= tolerance_pct]
   return max(eligible, key=lambda r: r["ratio_vs_fp32"], default=None)

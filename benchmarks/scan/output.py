@@ -80,15 +80,51 @@ def print_tables(console: Console, rows: list[dict], projection: list[dict], tit
     console.print(projection_table(projection, title))
 
 
+def markdown(rows: list[dict], projection: list[dict], projection_title: str) -> str:
+  """The two tables as GitHub markdown (what docs/results.md quotes)."""
+  clusters = [name.split("+")[1] for name in CLUSTERS]
+  lines = ["| model | mesh | method | inter-host B/step | intra-host B/step | vs fp32 | vs fp32-hier "
+           "| step ms | overhead | train loss | held-out | gap | iso steps | "
+           + " | ".join(f"x {c}" for c in clusters) + " |",
+           "|" + " --- |" * (13 + len(clusters))]
+  for row in rows:
+    if "error" in row:
+      lines.append(f"| {row['model']} | {row['mesh']} | {row['method']} | {row['error']} |")
+      continue
+    iso = row["iso_quality_steps"]
+    cells = [row["model"], row["mesh"], row["method"], _number(row["inter_host_bytes"], ",.0f"),
+             _number(row["intra_host_bytes"], ",.0f"), _number(row["ratio_vs_fp32"], ".1f", "x"),
+             _number(row["ratio_vs_fp32_hier"], ".1f", "x"), _number(row["median_step_ms"], ".1f"),
+             _number(row["overhead_pct"], "+.0f", "%"), _number(row["final_train_loss"], ".4f"),
+             _number(row["held_out_loss"], ".4f"), _number(row["held_out_gap_pct"], "+.2f", "%"),
+             "not reached" if iso is None and row["train_gap_pct"] is not None
+             else _number(iso, "d"),
+             *(_number(row["speedup"] and row["speedup"][name], ".2f") for name in CLUSTERS)]
+    lines.append("| " + " | ".join(cells) + " |")
+  lines += ["", projection_title, "", "| method | slow GB/dev | fast GB/dev | "
+            + " | ".join(f"{c} ms | x fp32" for c in clusters) + " |",
+            "|" + " --- |" * (3 + 2 * len(clusters))]
+  for row in projection:
+    cells = [row["method"], _number(row["slow_bytes"] / 1e9, ".3f"),
+             _number(row["fast_bytes"] / 1e9, ".3f")]
+    for name in CLUSTERS:
+      cells += [_number(row["comm_ms"][name], ",.1f"), _number(row["speedup"][name], ".2f")]
+    lines.append("| " + " | ".join(cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
 def _plain(row: dict) -> dict:
   return {key: value for key, value in row.items() if key != "report"}
 
 
-def write_files(out: str, meta: dict, rows: list[dict], projection: list[dict]) -> list[str]:
-  """Writes ``results.json`` (everything), ``runs.csv``, ``curves.csv`` and
-  ``projection.csv`` under ``out``; returns their paths."""
-  paths = {name: os.path.join(out, name)
-           for name in ("results.json", "runs.csv", "curves.csv", "projection.csv")}
+def write_files(out: str, meta: dict, rows: list[dict], projection: list[dict],
+                projection_title: str) -> list[str]:
+  """Writes ``results.json`` (everything), ``runs.csv``, ``curves.csv``, ``projection.csv``
+  and ``tables.md`` under ``out``; returns their paths."""
+  paths = {name: os.path.join(out, name) for name in
+           ("results.json", "runs.csv", "curves.csv", "projection.csv", "tables.md")}
+  with open(paths["tables.md"], "w") as handle:
+    handle.write(markdown(rows, projection, projection_title))
   with open(paths["results.json"], "w") as handle:
     json.dump({"meta": meta, "runs": [_plain(r) for r in rows], "projection": projection},
               handle, indent=1, allow_nan=True)

@@ -89,18 +89,23 @@ def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, co
 def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: int,
              min_compression_rate: float = 2.0) -> Comm:
   """:func:`jaxcomm.powersgd_allreduce`: dense ``psum`` of every leaf inside hosts; across
-  hosts, ``psum`` of ``P`` (``4 r m`` bytes) and of ``Q`` (``4 r n``) for each leaf viewed as
-  an ``m x n`` matrix whose rate reaches ``min_compression_rate``, dense ``psum`` otherwise."""
+  hosts, for the leaves viewed as ``m x n`` matrices whose rate reaches
+  ``min_compression_rate``, one ``psum`` of the stacked ``P`` (``4 r m`` bytes per leaf) and
+  one of the stacked ``Q`` (``4 r n``) per distinct matrix shape; other leaves dense."""
   fast_bytes = slow_bytes = seconds = 0.0
+  stacked: dict[tuple[int, int], int] = {}
+  messages = []
   for shape in shapes:
     size = 4 * math.prod(shape)
     fast_bytes += _ring_bytes(size, local)
     seconds += costmodel.all_reduce_time(size, local, fast)
     if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
-      rows, cols = matrix_shape(tuple(shape))
-      messages = [4 * rank * rows, 4 * rank * cols]
+      matrix = matrix_shape(tuple(shape))
+      stacked[matrix] = stacked.get(matrix, 0) + 1
     else:
-      messages = [size]
-    slow_bytes += sum(_ring_bytes(m, hosts) for m in messages)
-    seconds += math.fsum(costmodel.all_reduce_time(m, hosts, slow) for m in messages)
+      messages.append(size)
+  for (rows, cols), count in stacked.items():
+    messages += [4 * rank * rows * count, 4 * rank * cols * count]
+  slow_bytes = sum(_ring_bytes(m, hosts) for m in messages)
+  seconds += math.fsum(costmodel.all_reduce_time(m, hosts, slow) for m in messages)
   return Comm(slow_bytes, fast_bytes, seconds)
