@@ -127,10 +127,12 @@ def scan(args: argparse.Namespace) -> int:
   output.print_tables(console, rows, projected, projection_title)
   for model, mesh in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
     best = figures.best_within(rows, model, mesh, 1.0)
-    if best is not None and best["ratio_vs_fp32"] is not None:
-      console.print(f"{model} {mesh}: most compressed within 1% of fp32's held-out loss: "
-                    f"{best['method']}, {best['ratio_vs_fp32']:.1f}x fewer inter-host bytes "
-                    f"than fp32 ({best['held_out_gap_pct']:+.2f}%)", highlight=False)
+    if best is None:
+      continue
+    console.print(f"{model} {mesh}: most compressed within 1% of fp32's held-out loss: "
+                  + (f"{best['method']}, {best['ratio_vs_fp32']:.1f}x fewer inter-host bytes "
+                     f"than fp32 ({best['held_out_gap_pct']:+.2f}%)" if best["method"] != "fp32"
+                     else "none but fp32 itself"), highlight=False)
   meta = {"command": "python -m benchmarks.mesh_scan", "args": {
       k: v for k, v in vars(args).items() if k != "plan"}, "plan": [s._asdict() for s in args.plan],
       "devices": len(devices), "platform": devices[0].platform,
