@@ -41,8 +41,8 @@ def test_every_method_runs_and_reports_its_bytes(scan):
   assert all("error" not in row for row in rows.values()), rows
   assert "2 hosts x 4 local devices" in stdout
   assert rows["fp32"]["intra_host_bytes"] == 0  # one flat all-reduce, charged to the host link
-  assert rows["fp32"]["inter_host_bytes"] == pytest.approx(7 * rows["fp32-hier"]["inter_host_bytes"],
-                                                           rel=0.01)
+  assert rows["fp32"]["inter_host_bytes"] == pytest.approx(
+      7 * rows["fp32-hier"]["inter_host_bytes"], rel=0.01)
   assert rows["topk-ef"]["inter_host_bytes"] < rows["sign-ef"]["inter_host_bytes"] \
       < rows["terngrad"]["inter_host_bytes"] < rows["int8"]["inter_host_bytes"] \
       < rows["fp32-hier"]["inter_host_bytes"]

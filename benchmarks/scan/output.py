@@ -9,6 +9,7 @@ import os
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from benchmarks.scan.figures import CLUSTERS
 
@@ -28,6 +29,27 @@ def _number(value, spec: str, suffix: str = "") -> str:
   return f"{value:{spec}}{suffix}"
 
 
+def _cells(row: dict) -> list[str]:
+  """The formatted figures of one successful run, in table column order."""
+  iso = row["iso_quality_steps"]
+  return [row["model"], row["mesh"], row["method"], _number(row["inter_host_bytes"], ",.0f"),
+          _number(row["intra_host_bytes"], ",.0f"), _number(row["ratio_vs_fp32"], ".1f", "x"),
+          _number(row["ratio_vs_fp32_hier"], ".1f", "x"), _number(row["median_step_ms"], ".1f"),
+          _number(row["overhead_pct"], "+.0f", "%"), _number(row["final_train_loss"], ".4f"),
+          _number(row["held_out_loss"], ".4f"), _number(row["held_out_gap_pct"], "+.2f", "%"),
+          "not reached" if iso is None and row["train_gap_pct"] is not None
+          else _number(iso, "d"),
+          *(_number(row["speedup"] and row["speedup"][name], ".2f") for name in CLUSTERS)]
+
+
+def _projection_cells(row: dict) -> list[str]:
+  cells = [row["method"], _number(row["slow_bytes"] / 1e9, ".3f"),
+           _number(row["fast_bytes"] / 1e9, ".3f")]
+  for name in CLUSTERS:
+    cells += [_number(row["comm_ms"][name], ",.1f"), _number(row["speedup"][name], ".2f")]
+  return cells
+
+
 def runs_table(rows: list[dict]) -> Table:
   """One row per run: measured bytes, ratios, time, losses; modeled speedup per cluster."""
   table = Table(title="Measured per run (bytes: each device, per step, from compiled HLO; "
@@ -41,17 +63,9 @@ def runs_table(rows: list[dict]) -> Table:
     table.add_column(f"x {name.split('+')[1]}", justify="right")
   for row in rows:
     if "error" in row:
-      table.add_row(row["model"], row["mesh"], row["method"], f"[red]{row['error']}[/red]")
+      table.add_row(row["model"], row["mesh"], row["method"], Text(row["error"], style="red"))
       continue
-    iso = row["iso_quality_steps"]
-    table.add_row(
-        row["model"], row["mesh"], row["method"], _number(row["inter_host_bytes"], ",.0f"),
-        _number(row["intra_host_bytes"], ",.0f"), _number(row["ratio_vs_fp32"], ".1f", "x"),
-        _number(row["ratio_vs_fp32_hier"], ".1f", "x"), _number(row["median_step_ms"], ".1f"),
-        _number(row["overhead_pct"], "+.0f", "%"), _number(row["final_train_loss"], ".4f"),
-        _number(row["held_out_loss"], ".4f"), _number(row["held_out_gap_pct"], "+.2f", "%"),
-        "not reached" if iso is None and row["train_gap_pct"] is not None else _number(iso, "d"),
-        *(_number(row["speedup"] and row["speedup"][name], ".2f") for name in CLUSTERS))
+    table.add_row(*_cells(row))
   return table
 
 
@@ -65,11 +79,7 @@ def projection_table(rows: list[dict], title: str) -> Table:
     table.add_column(f"{name} ms", justify="right")
     table.add_column("x fp32", justify="right")
   for row in rows:
-    cells = [row["method"], _number(row["slow_bytes"] / 1e9, ".3f"),
-             _number(row["fast_bytes"] / 1e9, ".3f")]
-    for name in CLUSTERS:
-      cells += [_number(row["comm_ms"][name], ",.1f"), _number(row["speedup"][name], ".2f")]
-    table.add_row(*cells)
+    table.add_row(*_projection_cells(row))
   return table
 
 
@@ -83,33 +93,20 @@ def print_tables(console: Console, rows: list[dict], projection: list[dict], tit
 def markdown(rows: list[dict], projection: list[dict], projection_title: str) -> str:
   """The two tables as GitHub markdown (what docs/results.md quotes)."""
   clusters = [name.split("+")[1] for name in CLUSTERS]
-  lines = ["| model | mesh | method | inter-host B/step | intra-host B/step | vs fp32 | vs fp32-hier "
-           "| step ms | overhead | train loss | held-out | gap | iso steps | "
+  lines = ["| model | mesh | method | inter-host B/step | intra-host B/step | vs fp32 "
+           "| vs fp32-hier | step ms | overhead | train loss | held-out | gap | iso steps | "
            + " | ".join(f"x {c}" for c in clusters) + " |",
            "|" + " --- |" * (13 + len(clusters))]
   for row in rows:
     if "error" in row:
       lines.append(f"| {row['model']} | {row['mesh']} | {row['method']} | {row['error']} |")
       continue
-    iso = row["iso_quality_steps"]
-    cells = [row["model"], row["mesh"], row["method"], _number(row["inter_host_bytes"], ",.0f"),
-             _number(row["intra_host_bytes"], ",.0f"), _number(row["ratio_vs_fp32"], ".1f", "x"),
-             _number(row["ratio_vs_fp32_hier"], ".1f", "x"), _number(row["median_step_ms"], ".1f"),
-             _number(row["overhead_pct"], "+.0f", "%"), _number(row["final_train_loss"], ".4f"),
-             _number(row["held_out_loss"], ".4f"), _number(row["held_out_gap_pct"], "+.2f", "%"),
-             "not reached" if iso is None and row["train_gap_pct"] is not None
-             else _number(iso, "d"),
-             *(_number(row["speedup"] and row["speedup"][name], ".2f") for name in CLUSTERS)]
-    lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(_cells(row)) + " |")
   lines += ["", projection_title, "", "| method | slow GB/dev | fast GB/dev | "
             + " | ".join(f"{c} ms | x fp32" for c in clusters) + " |",
             "|" + " --- |" * (3 + 2 * len(clusters))]
   for row in projection:
-    cells = [row["method"], _number(row["slow_bytes"] / 1e9, ".3f"),
-             _number(row["fast_bytes"] / 1e9, ".3f")]
-    for name in CLUSTERS:
-      cells += [_number(row["comm_ms"][name], ",.1f"), _number(row["speedup"][name], ".2f")]
-    lines.append("| " + " | ".join(cells) + " |")
+    lines.append("| " + " | ".join(_projection_cells(row)) + " |")
   return "\n".join(lines) + "\n"
 
 
@@ -138,7 +135,8 @@ def write_files(out: str, meta: dict, rows: list[dict], projection: list[dict],
                       + [(row.get("speedup") or {}).get(c) for c in CLUSTERS])
   with open(paths["curves.csv"], "w", newline="") as handle:
     writer = csv.writer(handle)
-    writer.writerow(["model", "mesh", "method", "step", "train_loss", "cumulative_inter_host_bytes"])
+    writer.writerow(["model", "mesh", "method", "step", "train_loss",
+                     "cumulative_inter_host_bytes"])
     for row in rows:
       for step, loss in enumerate(row.get("losses", []), start=1):
         writer.writerow([row["model"], row["mesh"], row["method"], step, loss,

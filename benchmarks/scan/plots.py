@@ -29,7 +29,8 @@ SWEEP_LATENCY_S = 25e-6
 
 
 def _style(index: int) -> dict:
-  return {"color": plt.get_cmap("tab10")(index % 10), "linestyle": ("-", "--", ":")[index // 10 % 3]}
+  return {"color": plt.get_cmap("tab10")(index % 10),
+          "linestyle": ("-", "--", ":")[index // 10 % 3]}
 
 
 def loss_vs_bytes(rows: list[dict], path: str, title: str) -> None:

@@ -12,7 +12,6 @@ from typing import Any, NamedTuple
 import jax
 import numpy as np
 
-SIZES = ("quick", "default")
 #: Examples per device per step.
 BATCH = {"charlm": 32, "mlp": 32, "resnet": 8}
 
