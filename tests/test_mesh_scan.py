@@ -117,3 +117,20 @@ def test_projection_matches_the_cost_model_and_the_formulas():
   assert flat.slow_bytes == pytest.approx(2 * 31 / 32 * 4 * (512 * 256 + 256))
   low_rank = projection.powersgd(shapes, 4, 8, fast, slow, rank=2)
   assert low_rank.slow_bytes == pytest.approx(2 * 3 / 4 * 4 * (2 * (512 + 256) + 256))
+
+
+def test_one_host_and_one_device_per_host_meshes(tmp_path):
+  result = _run("--quick", "--meshes", "1x8,8x1", "--methods", "fp32,fp32-hier,topk-ef-2p",
+                "--steps", "4", "--timed-steps", "1", "--hidden", "16", "--batch", "4",
+                "--out", str(tmp_path))
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  rows = {(row["mesh"], row["method"]): row
+          for row in json.loads((tmp_path / "results.json").read_text())["runs"]}
+  assert all(rows["1x8", m]["inter_host_bytes"] == 0 and rows["1x8", m]["ratio_vs_fp32"] is None
+             for m in ("fp32", "fp32-hier", "topk-ef-2p"))
+  assert all(rows["8x1", m]["intra_host_bytes"] == 0
+             for m in ("fp32", "fp32-hier", "topk-ef-2p"))
+  assert rows["8x1", "topk-ef-2p"]["inter_host_bytes"] \
+      < rows["8x1", "fp32-hier"]["inter_host_bytes"]
+  assert not (tmp_path / "loss_vs_bytes_charlm_1x8.png").exists()  # nothing crosses hosts
+  assert (tmp_path / "loss_vs_bytes_charlm_8x1.png").exists()
