@@ -1,74 +1,164 @@
-"""mesh_scan: bytes on each link, quality and step time of compressed data parallelism.
+"""mesh_scan: which mesh, compressor and algorithm reach fp32's quality with the fewest bytes
+and the least time, measured on simulated devices and modeled on real links.
 
-Trains the same MLP classifier on the same generated data once per method on a
-``(host, local)`` mesh and prints, per method, what it measured: inter-host and intra-host
-bytes each device sends per step (read from the compiled HLO), the compression ratio against
-plain fp32 ``pmean``, the final training and held-out loss and their gap to fp32, and the
-median step time.
+For every model x mesh (hosts x local) x method it trains the same model on the same data and
+measures the bytes each device sends per step over the inter-host and intra-host links (from
+the compiled HLO), the median step time, the loss curve, the final training and held-out
+loss and the steps needed to reach fp32's final loss; then it models the step time on
+NVLink + InfiniBand HDR / 100 GbE / 10 GbE / 1 GbE clusters (measured compute + alpha-beta
+communication), and projects the gradient allreduce of a 7B transformer on 8 x 8 GPUs. It
+prints tables and writes JSON, CSV and PNG plots under ``--out``.
 
-Run ``python -m benchmarks.mesh_scan --help`` for the flags. With no flags it simulates
-8 CPU devices as 2 hosts x 4 local devices.
+Run ``python -m benchmarks.mesh_scan --help`` for the flags, ``--quick`` for a short scan.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from collections.abc import Sequence
+from typing import NamedTuple
 
-METHODS = ("fp32", "fp32-hier", "sign-ef", "topk-ef", "int8")
-METHOD_HELP = {
-    "fp32": "plain jax.lax.pmean over both axes at full precision (the reference)",
-    "fp32-hier": "jaxcomm hierarchical allreduce with no compression",
-    "sign-ef": "scaled 1-bit sign across hosts, with error feedback",
-    "topk-ef": "top-k (--topk-fraction) across hosts, with error feedback",
-    "int8": "8-bit stochastic quantization across hosts (unbiased, no error feedback)",
+from benchmarks.scan.methods import REGISTRY
+from benchmarks.scan.tasks import BATCH, TASKS
+
+
+class Scan(NamedTuple):
+  """One block of the plan: the cross product of ``models x meshes x methods``."""
+  models: tuple[str, ...]
+  meshes: tuple[str, ...]
+  methods: tuple[str, ...]
+  steps: int | None = None  # None: the profile's steps
+
+
+class Profile(NamedTuple):
+  """Sizes, lengths and the plan of one profile."""
+  size: str
+  steps: int
+  timed_steps: int
+  plan: tuple[Scan, ...]
+
+
+ALL_METHODS = tuple(REGISTRY)
+PROFILES = {
+    "quick": Profile("quick", 60, 20, (
+        Scan(("charlm",), ("2x4",), ("fp32", "fp32-hier", "identity", "int8", "sign-ef",
+                                     "topk-ef", "powersgd-r1")),
+        Scan(("charlm",), ("4x2",), ("fp32", "topk-ef", "topk-ef-2p")),
+    )),
+    # Every method on the char LM at 2x4; the other meshes and the ResNet shorter, for bytes
+    # and step times (one host has no inter-host traffic to compress: fp32 and fp32-hier).
+    "default": Profile("default", 300, 50, (
+        Scan(("charlm",), ("2x4",), ALL_METHODS),
+        Scan(("charlm",), ("1x8",), ("fp32", "fp32-hier"), steps=60),
+        Scan(("charlm",), ("4x2", "8x1"), ("fp32", "fp32-hier", "int8", "topk-ef", "topk-ef-2p"),
+             steps=60),
+        Scan(("resnet",), ("2x4",), ("fp32", "topk-ef", "powersgd-r4"), steps=30),
+    )),
 }
 
 
+class _Parser(argparse.ArgumentParser):
+  """Bad input is one line on stderr and exit code 2, without the usage block."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _names(text: str, known: Sequence[str], what: str, parser) -> tuple[str, ...]:
+  names = tuple(name.strip() for name in text.split(",") if name.strip())
+  if not names:
+    parser.error(f"--{what}s is empty; choose from {', '.join(known)}")
+  for name in names:
+    if name not in known:
+      parser.error(f"unknown {what} {name!r}; choose from {', '.join(known)}")
+  return names
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+  """``'2x4'`` -> ``(2, 4)``: hosts x local devices, both >= 1."""
+  parts = text.lower().split("x")
+  if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+    raise ValueError(f"mesh {text!r} is not HOSTSxLOCAL with positive integers, e.g. 2x4")
+  return int(parts[0]), int(parts[1])
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-  parser = argparse.ArgumentParser(
-      prog="python -m benchmarks.mesh_scan",
-      description=__doc__.split("\n\n")[0],
-      epilog="Methods: " + "; ".join(f"{k}: {v}" for k, v in METHOD_HELP.items()),
+  parser = _Parser(
+      prog="python -m benchmarks.mesh_scan", description=__doc__.split("\n\n")[0],
+      epilog="Methods: " + "; ".join(f"{m.name}: {m.summary}" for m in REGISTRY.values()),
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-  parser.add_argument("--hosts", type=int, default=2, help="size of the slow (inter-host) axis")
-  parser.add_argument("--local", type=int, default=4, help="size of the fast (intra-host) axis")
-  parser.add_argument("--simulated-devices", type=int, default=8,
-                      help="CPU devices to simulate when running on CPU (must be hosts*local)")
-  parser.add_argument("--methods", default=",".join(METHODS),
-                      help="comma-separated methods to run, from: " + ", ".join(METHODS))
-  parser.add_argument("--steps", type=int, default=1000, help="training steps per method")
-  parser.add_argument("--batch", type=int, default=32, help="examples per device per step")
-  parser.add_argument("--features", type=int, default=64, help="input features")
-  parser.add_argument("--hidden", default="256,256", help="comma-separated hidden widths")
-  parser.add_argument("--classes", type=int, default=10, help="output classes")
-  parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+  parser.add_argument("--quick", action="store_true", help="the short profile (small models, "
+                      "60 steps, a few methods)")
+  parser.add_argument("--models", default=None,
+                      help=f"comma-separated models, from {', '.join(TASKS)}; any of --models, "
+                      "--meshes, --methods replaces the profile's plan by their cross product "
+                      "(defaults: charlm, 2x4, every method)")
+  parser.add_argument("--meshes", default=None, help="comma-separated HOSTSxLOCAL meshes whose "
+                      "product is the device count, e.g. 1x8,2x4,4x2,8x1")
+  parser.add_argument("--methods", default=None,
+                      help="comma-separated methods, from: " + ", ".join(REGISTRY))
+  parser.add_argument("--steps", type=int, default=None,
+                      help="training steps per run (default: the profile's)")
+  parser.add_argument("--timed-steps", type=int, default=None,
+                      help="last steps whose median time is the step time and whose mean loss "
+                      "is the final training loss (default: the profile's)")
+  parser.add_argument("--batch", type=int, default=None,
+                      help="examples per device per step (default: " + ", ".join(
+                          f"{k} {v}" for k, v in BATCH.items()) + ")")
+  parser.add_argument("--hidden", default=None,
+                      help="comma-separated hidden widths of the MLP and the char LM")
+  parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate "
+                      "(default: the model's: charlm 3e-3, mlp and resnet 1e-3)")
   parser.add_argument("--topk-fraction", type=float, default=0.01,
-                      help="fraction of each shard that topk-ef sends")
-  parser.add_argument("--timed-steps", type=int, default=50,
-                      help="last steps whose median wall-clock time and mean loss are reported")
+                      help="fraction of each shard that top-k and random-k send")
+  parser.add_argument("--sketch-fraction", type=float, default=0.02,
+                      help="count-sketch cells as a fraction of the shard's elements")
+  parser.add_argument("--projection-model", default="llama-7b",
+                      help="transformer whose gradients are projected on 8 hosts x 8 GPUs")
   parser.add_argument("--seed", type=int, default=0, help="seed for data and initialization")
-  parser.add_argument("--json", default=None, help="also write the rows to this JSON file")
+  parser.add_argument("--simulated-devices", type=int, default=8,
+                      help="CPU devices to simulate (ignored in a launched multi-process job)")
+  parser.add_argument("--out", default="mesh_scan_out", help="directory for JSON, CSV and PNGs")
   args = parser.parse_args(argv)
-  args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-  unknown = [m for m in args.methods if m not in METHODS]
-  if unknown:
-    parser.error(f"unknown method {unknown[0]!r}; choose from {', '.join(METHODS)}")
-  try:
-    args.hidden = [int(w) for w in args.hidden.split(",") if w]
-  except ValueError:
-    parser.error(f"--hidden must be comma-separated integers, got {args.hidden!r}")
-  for name in ("hosts", "local", "steps", "batch", "features", "classes", "timed_steps"):
-    if getattr(args, name) < 1:
-      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-  if not 0 < args.topk_fraction <= 1:
-    parser.error(f"--topk-fraction must be in (0, 1], got {args.topk_fraction}")
+  profile = PROFILES["quick" if args.quick else "default"]
+  args.size = profile.size
+  args.steps_override = args.steps
+  args.steps = args.steps or profile.steps
+  args.timed_steps = args.timed_steps or profile.timed_steps
+  if any(v is not None for v in (args.models, args.meshes, args.methods)):
+    args.plan = (Scan(_names(args.models or "charlm", tuple(TASKS), "model", parser),
+                      tuple(args.meshes.split(",")) if args.meshes else ("2x4",),
+                      _names(args.methods, ALL_METHODS, "method", parser)
+                      if args.methods else ALL_METHODS),)
+  else:
+    args.plan = profile.plan
+  for scan in args.plan:
+    for mesh in scan.meshes:
+      try:
+        parse_mesh(mesh)
+      except ValueError as error:
+        parser.error(str(error))
+  if args.hidden is not None:
+    try:
+      args.hidden = tuple(int(w) for w in args.hidden.split(",") if w)
+    except ValueError:
+      parser.error(f"--hidden must be comma-separated integers, got {args.hidden!r}")
+  for name in ("steps", "timed_steps", "batch", "simulated_devices"):
+    value = getattr(args, name)
+    if value is not None and value < 1:
+      parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   if args.timed_steps >= args.steps:
     parser.error(f"--timed-steps ({args.timed_steps}) must be below --steps ({args.steps})")
+  for name in ("topk_fraction", "sketch_fraction"):
+    if not 0 < getattr(args, name) <= 1:
+      parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
+  from jaxcomm.costmodel import TRANSFORMERS
+  if args.projection_model not in TRANSFORMERS:
+    parser.error(f"unknown projection model {args.projection_model!r}; choose from "
+                 f"{', '.join(TRANSFORMERS)}")
   return args
 
 
@@ -82,149 +172,45 @@ def _configure_devices(count: int) -> None:
   jax.config.update("jax_num_cpu_devices", count)
 
 
-def _transformation(method: str, args):
-  import jax
-  import optax
-
-  import jaxcomm
-  axes = ("host", "local")
-  if method == "fp32":
-    reduce = optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda grads, state, params=None: (jax.lax.pmean(grads, axes), state))
-  else:
-    compressor = {
-        "fp32-hier": None,
-        "sign-ef": jaxcomm.sign(),
-        "topk-ef": jaxcomm.topk(args.topk_fraction),
-        "int8": jaxcomm.quantize(8),
-    }[method]
-    reduce = jaxcomm.compressed_allreduce(compressor, feedback=method.endswith("-ef"),
-                                          seed=args.seed)
-  return optax.chain(reduce, optax.adamw(args.lr))
+def _prepare_out(out: str) -> str | None:
+  """Creates ``out`` and checks that a file can be written there; returns an error or None."""
+  try:
+    os.makedirs(out, exist_ok=True)
+    probe = os.path.join(out, ".mesh_scan_write_test")
+    with open(probe, "w"):
+      pass
+    os.remove(probe)
+  except OSError as error:
+    return f"--out {out!r} is not writable: {error.strerror or error}"
+  return None
 
 
-def topk_formula_bytes(params, fraction: float, hosts: int, local: int) -> int:
-  """``(H-1) * 8 * sum_leaves k`` with ``k = max(1, floor(fraction * ceil(d/G)))`` per leaf."""
-  import jax
-
-  from jaxcomm.compress.topk import topk_count
-  total_k = sum(topk_count((-(-leaf.size // local),), fraction, None)
-                for leaf in jax.tree.leaves(params))
-  return (hosts - 1) * 8 * total_k
-
-
-def run_method(method: str, args, mesh, data, held_out) -> dict:
-  import jax
-  import jax.numpy as jnp
-  import numpy as np
-  from jax.sharding import NamedSharding, PartitionSpec
-
-  import jaxcomm
-  from models.mlp import classification_loss, init_mlp
-  graphdef, params = init_mlp(args.features, args.hidden, args.classes, seed=args.seed)
-  loss_fn = classification_loss(graphdef)
-  tx = _transformation(method, args)
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
-  inputs, labels = data
-  per_step = args.batch * mesh.size
-  batch_sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
-
-  def batch_at(index):
-    start = index * per_step
-    return jax.device_put((inputs[start:start + per_step], labels[start:start + per_step]),
-                          batch_sharding)
-
-  report = jaxcomm.accounting.measure(step, params, opt_state, batch_at(0), mesh=mesh)
-  link = report.link_bytes(("host", "local"))
-  losses, times = [], []
-  for index in range(args.steps):
-    batch = batch_at(index)
-    start = time.perf_counter()
-    params, opt_state, loss = step(params, opt_state, batch)
-    loss = float(loss)
-    times.append(time.perf_counter() - start)
-    losses.append(loss)
-  held_out_loss = float(jax.jit(loss_fn)(params, held_out))
-  return {
-      "method": method,
-      "inter_host_bytes": link["host"],
-      "intra_host_bytes": link["local"],
-      "final_train_loss": float(np.mean(losses[-args.timed_steps:])),
-      "held_out_loss": held_out_loss,
-      "median_step_ms": 1e3 * float(np.median(times[-args.timed_steps:])),
-      "collectives": report.count(),
-      "finite": bool(jnp.isfinite(held_out_loss)),
-      "params": params,
-  }
-
-
-def _ratio(reference: dict | None, row: dict) -> str:
-  if reference is None:
-    return "-"
-  if not row["inter_host_bytes"]:
-    return "inf"
-  return f"{reference['inter_host_bytes'] / row['inter_host_bytes']:.1f}x"
-
-
-def format_table(rows: list[dict]) -> str:
-  """One row per method; ratios and loss gaps relative to the first row (fp32 when run)."""
-  reference = next((r for r in rows if r["method"] == "fp32"), rows[0])
-  hierarchical = next((r for r in rows if r["method"] == "fp32-hier"), None)
-  header = (f"{'method':<10} {'inter-host B/step':>17} {'intra-host B/step':>17} "
-            f"{'ratio vs ' + reference['method']:>14} {'vs fp32-hier':>12} "
-            f"{'train loss':>10} {'d train':>8} "
-            f"{'held-out':>9} {'d held-out':>10} {'step ms':>8}")
-  lines = [header, "-" * len(header)]
-  for row in rows:
-    lines.append(
-        f"{row['method']:<10} {row['inter_host_bytes']:>17,.0f} {row['intra_host_bytes']:>17,.0f} "
-        f"{_ratio(reference, row):>14} {_ratio(hierarchical, row):>12} "
-        f"{row['final_train_loss']:>10.4f} "
-        f"{100 * (row['final_train_loss'] / reference['final_train_loss'] - 1):>+7.1f}% "
-        f"{row['held_out_loss']:>9.4f} "
-        f"{100 * (row['held_out_loss'] / reference['held_out_loss'] - 1):>+9.1f}% "
-        f"{row['median_step_ms']:>8.2f}")
-  return "\n".join(lines)
+def _fail(message: str) -> int:
+  print(f"python -m benchmarks.mesh_scan: error: {message}", file=sys.stderr)
+  return 2
 
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  if args.hosts * args.local != args.simulated_devices:
-    print(f"error: --hosts * --local ({args.hosts * args.local}) must equal "
-          f"--simulated-devices ({args.simulated_devices})", file=sys.stderr)
-    return 2
+  meshes = {mesh for scan in args.plan for mesh in scan.meshes}
+  for mesh in sorted(meshes):
+    hosts, local = parse_mesh(mesh)
+    if hosts * local != args.simulated_devices:
+      return _fail(f"mesh {mesh} has {hosts * local} devices; it must use all "
+                   f"{args.simulated_devices} (--simulated-devices)")
+  problem = _prepare_out(args.out)
+  if problem:
+    return _fail(problem)
   _configure_devices(args.simulated_devices)
   import jax
-
-  import jaxcomm
-  from models.data import teacher_classification
-  mesh = jaxcomm.make_mesh(hosts=args.hosts, local=args.local)
-  samples = args.batch * mesh.size * args.steps
-  data = teacher_classification(args.seed, samples, args.features, args.classes)
-  held_out = teacher_classification(args.seed, samples + 4096, args.features, args.classes)
-  held_out = jax.tree.map(lambda a: a[samples:], held_out)
-  print(f"mesh_scan: {args.hosts} hosts x {args.local} local devices "
-        f"({jax.devices()[0].platform}), MLP {args.features}-{'-'.join(map(str, args.hidden))}-"
-        f"{args.classes}, {args.steps} steps of {args.batch} examples per device, AdamW lr {args.lr}")
-  rows = []
-  for method in args.methods:
-    started = time.perf_counter()
-    rows.append(run_method(method, args, mesh, data, held_out))
-    print(f"  {method}: done in {time.perf_counter() - started:.1f} s", flush=True)
-  print()
-  print(format_table(rows))
-  if "topk-ef" in args.methods:
-    row = next(r for r in rows if r["method"] == "topk-ef")
-    formula = topk_formula_bytes(row["params"], args.topk_fraction, args.hosts, args.local)
-    measured = row["inter_host_bytes"]
-    print(f"\ntopk-ef inter-host bytes per device per step: measured {measured:,.0f}, "
-          f"formula (H-1)*8*sum(k) = {formula:,} ({100 * (measured / formula - 1):+.2f}%)")
-  if args.json:
-    with open(args.json, "w") as handle:
-      json.dump([{k: v for k, v in r.items() if k != "params"} for r in rows], handle, indent=2)
-  return 0
+  if jax.device_count() != args.simulated_devices:
+    return _fail(f"this job has {jax.device_count()} devices; pass meshes using all of them "
+                 f"and --simulated-devices {jax.device_count()}")
+  from benchmarks.scan import driver
+  started = time.perf_counter()
+  status = driver.scan(args)
+  print(f"mesh_scan: finished in {time.perf_counter() - started:.0f} s", flush=True)
+  return status
 
 
 if __name__ == "__main__":

@@ -1,51 +1,136 @@
-"""The main job runs end to end and reports what it measured."""
+"""The main job: every method runs end to end, every output is written, bad input is refused."""
 
+import csv
 import json
+import math
 import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from benchmarks import mesh_scan
+from benchmarks.scan import figures, projection
+from benchmarks.scan.methods import REGISTRY
+from jaxcomm import costmodel, links, topk
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_short_scan_prints_the_table_and_writes_json(tmp_path):
-  out = tmp_path / "rows.json"
+def _run(*argv, timeout=600):
   env = {**os.environ, "JAX_PLATFORMS": "cpu"}
-  result = subprocess.run(
-      [sys.executable, "-m", "benchmarks.mesh_scan", "--steps", "40", "--timed-steps", "10",
-       "--hidden", "64", "--json", str(out)],
-      capture_output=True, text=True, env=env, timeout=600,
-      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  assert result.returncode == 0, result.stderr
-  for method in mesh_scan.METHODS:
-    assert f"\n{method} " in result.stdout
-  assert "formula (H-1)*8*sum(k)" in result.stdout
-  rows = {row["method"]: row for row in json.loads(out.read_text())}
+  return subprocess.run([sys.executable, "-m", "benchmarks.mesh_scan", *argv],
+                        capture_output=True, text=True, env=env, timeout=timeout, cwd=ROOT)
+
+
+@pytest.fixture(scope="module")
+def scan(tmp_path_factory):
+  """Every registered method on a tiny char LM, 2x4 mesh, 6 steps."""
+  out = tmp_path_factory.mktemp("scan")
+  result = _run("--quick", "--methods", ",".join(REGISTRY), "--steps", "6", "--timed-steps",
+                "2", "--hidden", "16", "--batch", "4", "--out", str(out))
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  return out, result.stdout, json.loads((out / "results.json").read_text())
+
+
+def test_every_method_runs_and_reports_its_bytes(scan):
+  _, stdout, results = scan
+  rows = {row["method"]: row for row in results["runs"]}
+  assert set(rows) == set(REGISTRY)
+  assert all("error" not in row for row in rows.values()), rows
+  assert "2 hosts x 4 local devices" in stdout
   assert rows["fp32"]["intra_host_bytes"] == 0  # one flat all-reduce, charged to the host link
+  assert rows["fp32"]["inter_host_bytes"] == pytest.approx(
+      7 * rows["fp32-hier"]["inter_host_bytes"], rel=0.01)
   assert rows["topk-ef"]["inter_host_bytes"] < rows["sign-ef"]["inter_host_bytes"] \
-      < rows["int8"]["inter_host_bytes"] < rows["fp32-hier"]["inter_host_bytes"]
-  # Same dense fast-axis traffic; fp32-hier pads to a multiple of all 8 devices, not 4.
-  assert rows["fp32-hier"]["intra_host_bytes"] == pytest.approx(
-      rows["topk-ef"]["intra_host_bytes"], rel=0.01)
-  assert rows["topk-ef"]["intra_host_bytes"] > 0
-  assert all(row["finite"] and row["median_step_ms"] > 0 for row in rows.values())
+      < rows["terngrad"]["inter_host_bytes"] < rows["int8"]["inter_host_bytes"] \
+      < rows["fp32-hier"]["inter_host_bytes"]
+  assert rows["powersgd-r1"]["inter_host_bytes"] < rows["powersgd-r4"]["inter_host_bytes"]
+  for row in rows.values():
+    assert row["ratio_vs_fp32"] == pytest.approx(
+        rows["fp32"]["inter_host_bytes"] / row["inter_host_bytes"])
+    assert math.isfinite(row["held_out_loss"]) and row["median_step_ms"] > 0
+    assert len(row["losses"]) == 6 and set(row["modeled_ms"]) == set(figures.CLUSTERS)
+  assert rows["fp32"]["held_out_gap_pct"] == 0 and rows["identity"]["overhead_pct"] == 0
+
+
+def test_every_file_is_written(scan):
+  out, _, results = scan
+  with open(out / "runs.csv") as handle:
+    assert len(list(csv.DictReader(handle))) == len(REGISTRY)
+  with open(out / "curves.csv") as handle:
+    assert len(list(csv.DictReader(handle))) == 6 * len(REGISTRY)
+  projected = {row["method"]: row for row in results["projection"]}
+  assert projected["fp32"]["speedup"]["nvlink+100gbe"] == 1
+  assert projected["topk-ef"]["speedup"]["nvlink+1gbe"] > 10
+  for name in ("loss_vs_bytes_charlm_2x4.png", "step_time_vs_bandwidth_charlm_2x4.png"):
+    assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 @pytest.mark.parametrize("argv, match", [
     (["--methods", "fp32,zip"], "unknown method 'zip'"),
+    (["--models", "gpt5"], "unknown model 'gpt5'"),
+    (["--meshes", "2by4"], "mesh '2by4' is not HOSTSxLOCAL"),
     (["--topk-fraction", "0"], "--topk-fraction must be in"),
     (["--hidden", "a,b"], "--hidden must be"),
     (["--steps", "5", "--timed-steps", "10"], "--timed-steps"),
 ])
-def test_bad_flags_exit_with_a_clear_error(argv, match, capsys):
+def test_bad_flags_exit_with_one_line(argv, match, capsys):
   with pytest.raises(SystemExit) as exit_info:
     mesh_scan.parse_args(argv)
   assert exit_info.value.code == 2
-  assert match in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert match in err and err.count("\n") == 1
 
 
-def test_mesh_that_does_not_match_the_devices_is_refused(capsys):
-  assert mesh_scan.main(["--hosts", "3", "--local", "2"]) == 2
-  assert "must equal --simulated-devices" in capsys.readouterr().err
+def test_mesh_that_does_not_use_every_device_is_refused(capsys):
+  assert mesh_scan.main(["--meshes", "3x2"]) == 2
+  err = capsys.readouterr().err
+  assert "mesh 3x2 has 6 devices; it must use all 8" in err and err.count("\n") == 1
+
+
+def test_unwritable_out_is_refused_without_a_traceback(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("")
+  result = _run("--quick", "--out", str(blocker / "out"), timeout=120)
+  assert result.returncode == 2
+  assert "is not writable" in result.stderr and "Traceback" not in result.stderr
+  assert result.stderr.count("\n") == 1
+
+
+def test_iso_quality_counts_full_windows_only():
+  losses = [1.0, 0.1, 0.9, 0.5, 0.4, 0.3]
+  assert figures.iso_quality_steps(losses, 0.51, 2) == 3  # not 2: mean(1.0, 0.1) = 0.55
+  assert figures.iso_quality_steps(losses, 0.45, 2) == 5
+  assert figures.iso_quality_steps(losses, 0.1, 2) is None
+  np.testing.assert_allclose(figures.smoothed([1.0, 3.0, 5.0], 2), [1.0, 2.0, 4.0])
+
+
+def test_projection_matches_the_cost_model_and_the_formulas():
+  shapes = [(512, 256), (256,)]
+  fast, slow = links.link("nvlink4"), links.link("100gbe")
+  gather = projection.hierarchical(shapes, 4, 8, fast, slow, topk(0.01), "gather")
+  expected = costmodel.project(shapes, 4, 8, fast, slow, topk(0.01).wire_bytes)
+  assert gather.seconds == pytest.approx(expected.total_seconds)
+  flat = projection.flat_fp32(shapes, 4, 8, fast, slow)
+  assert flat.slow_bytes == pytest.approx(2 * 31 / 32 * 4 * (512 * 256 + 256))
+  low_rank = projection.powersgd(shapes, 4, 8, fast, slow, rank=2)
+  assert low_rank.slow_bytes == pytest.approx(2 * 3 / 4 * 4 * (2 * (512 + 256) + 256))
+
+
+def test_one_host_and_one_device_per_host_meshes(tmp_path):
+  result = _run("--quick", "--meshes", "1x8,8x1", "--methods", "fp32,fp32-hier,topk-ef-2p",
+                "--steps", "4", "--timed-steps", "1", "--hidden", "16", "--batch", "4",
+                "--out", str(tmp_path))
+  assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+  rows = {(row["mesh"], row["method"]): row
+          for row in json.loads((tmp_path / "results.json").read_text())["runs"]}
+  assert all(rows["1x8", m]["inter_host_bytes"] == 0 and rows["1x8", m]["ratio_vs_fp32"] is None
+             for m in ("fp32", "fp32-hier", "topk-ef-2p"))
+  assert all(rows["8x1", m]["intra_host_bytes"] == 0
+             for m in ("fp32", "fp32-hier", "topk-ef-2p"))
+  assert rows["8x1", "topk-ef-2p"]["inter_host_bytes"] \
+      < rows["8x1", "fp32-hier"]["inter_host_bytes"]
+  assert not (tmp_path / "loss_vs_bytes_charlm_1x8.png").exists()  # nothing crosses hosts
+  assert (tmp_path / "loss_vs_bytes_charlm_8x1.png").exists()

@@ -1,0 +1,153 @@
+"""Runs the plan of :mod:`benchmarks.mesh_scan` and writes everything it measured."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+
+import jax
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+import jaxcomm
+from benchmarks.scan import figures, output, plots
+from benchmarks.scan.methods import REGISTRY, Setting
+from benchmarks.scan.run import run
+from benchmarks.scan.tasks import BATCH, TASKS
+
+PROJECTION_HOSTS, PROJECTION_LOCAL = 8, 8
+
+
+def _runs(args: argparse.Namespace) -> list[tuple[str, str, str, int]]:
+  """``(model, mesh, method, steps)`` for every run of the plan, without repeats."""
+  runs = []
+  for scan in args.plan:
+    steps = args.steps_override or scan.steps or args.steps
+    for model in scan.models:
+      for mesh in scan.meshes:
+        runs += [(model, mesh, method, steps) for method in scan.methods]
+  return list(dict.fromkeys(runs))
+
+
+def _task(args, model: str, steps: int, cache: dict):
+  key = (model, steps)
+  if key not in cache:
+    batch = args.batch or BATCH[model]
+    cache[key] = TASKS[model](args.size, batch * jax.device_count(), steps, args.seed,
+                              args.hidden)
+  return cache[key]
+
+
+def _setting(args, task, hosts: int, local: int) -> Setting:
+  return Setting(lr=args.lr or task.lr, seed=args.seed, topk_fraction=args.topk_fraction,
+                 sketch_fraction=args.sketch_fraction, hosts=hosts, local=local,
+                 params=task.params)
+
+
+def _project(args, methods: list[str], setting: Setting) -> list[dict]:
+  """The large model's modeled allreduce per method that has a formula, on each cluster."""
+  shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
+  rows = []
+  for name in methods:
+    if REGISTRY[name].project is None:
+      continue
+    per_cluster = {cluster: REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS,
+                                                   PROJECTION_LOCAL, figures.FAST_LINK, slow)
+                   for cluster, slow in figures.CLUSTERS.items()}
+    comm = next(iter(per_cluster.values()))
+    rows.append({"model": args.projection_model, "hosts": PROJECTION_HOSTS,
+                 "local": PROJECTION_LOCAL, "method": name, "slow_bytes": comm.slow_bytes,
+                 "fast_bytes": comm.fast_bytes,
+                 "comm_ms": {c: 1e3 * p.seconds for c, p in per_cluster.items()}})
+  reference = next((r for r in rows if r["method"] == "fp32"), None)
+  for row in rows:
+    row["speedup"] = {c: (reference["comm_ms"][c] / ms if reference else None)
+                      for c, ms in row["comm_ms"].items()}
+  return rows
+
+
+def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, list[float]]:
+  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`."""
+  shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
+  return {name: [1e3 * REGISTRY[name].project(
+      setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL, figures.FAST_LINK,
+      jaxcomm.Link("sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
+      for bandwidth in plots.BANDWIDTHS]
+          for name in methods if REGISTRY[name].project is not None}
+
+
+def _line(row: dict) -> str:
+  """The one-line record of a finished run (also what a launched job's log shows)."""
+  if "error" in row:
+    return f"{row['method']:<12} failed: {row['error']} ({row['model']} {row['mesh']})"
+  return (f"{row['method']:<12} {row['inter_host_bytes']:>12,.0f} inter-host B/step "
+          f"{row['intra_host_bytes']:>12,.0f} intra-host  {1e3 * row['median_step_s']:7.1f} ms/step"
+          f"  held-out {row['held_out_loss']:.4f}  ({row['model']} {row['mesh']})")
+
+
+def scan(args: argparse.Namespace) -> int:
+  """Trains every run, derives the figures, prints the tables and writes the files."""
+  console = Console(width=220)
+  runs, tasks, rows = _runs(args), {}, []
+  devices = jax.devices()
+  console.print(f"mesh_scan on {len(devices)} {devices[0].platform} devices "
+                f"({jax.process_count()} process(es)), {platform.processor() or platform.machine()}"
+                f", {len(runs)} runs, out {args.out}")
+  with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                TimeElapsedColumn(), console=console) as progress:
+    bar = progress.add_task("scan", total=sum(steps for *_, steps in runs))
+    for model, mesh_name, method, steps in runs:
+      hosts, local = (int(v) for v in mesh_name.split("x"))
+      task = _task(args, model, steps, tasks)
+      if (model, mesh_name) not in {(r["model"], r["mesh"]) for r in rows}:
+        progress.console.print(f"{model}: {task.description}; mesh {mesh_name}: {hosts} hosts "
+                               f"x {local} local devices; {steps} steps")
+      progress.update(bar, description=f"{model} {mesh_name} {method}")
+      # Shorter runs of the plan time (and average the loss over) their last half at most.
+      window = min(args.timed_steps, max(1, steps // 2))
+      row = {"model": model, "mesh": mesh_name, "hosts": hosts, "local": local,
+             "method": method, "steps": steps, "window": window}
+      mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+      try:
+        row |= run(task, REGISTRY[method], mesh, _setting(args, task, hosts, local), steps,
+                   window, lambda: progress.advance(bar))
+      except (ValueError, TypeError, NotImplementedError) as error:
+        row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"
+      rows.append(row)
+      progress.console.print(_line(row), highlight=False)
+  figures.derive(rows)
+  first = next(iter(tasks.values()))
+  methods = list(dict.fromkeys(m for *_, m, _ in runs))
+  big_setting = _setting(args, first, PROJECTION_HOSTS, PROJECTION_LOCAL)
+  projected = _project(args, methods, big_setting)
+  projection_title = (f"Modeled (not measured) gradient allreduce of {args.projection_model} "
+                      f"per step on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs, "
+                      "NVLink 4 inside hosts; x fp32: speedup of the allreduce time")
+  output.print_tables(console, rows, projected, projection_title)
+  for model, mesh in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
+    best = figures.best_within(rows, model, mesh, 1.0)
+    if best is None:
+      continue
+    console.print(f"{model} {mesh}: most compressed within 1% of fp32's held-out loss: "
+                  + (f"{best['method']}, {best['ratio_vs_fp32']:.1f}x fewer inter-host bytes "
+                     f"than fp32 ({best['held_out_gap_pct']:+.2f}%)" if best["method"] != "fp32"
+                     else "none but fp32 itself"), highlight=False)
+  meta = {"command": "python -m benchmarks.mesh_scan", "args": {
+      k: v for k, v in vars(args).items() if k != "plan"}, "plan": [s._asdict() for s in args.plan],
+      "devices": len(devices), "platform": devices[0].platform,
+      "jax": jax.__version__, "machine": platform.machine(),
+      "models": {name: task.description for (name, _), task in tasks.items()},
+      "clusters": figures.CLUSTERS, "fast_link": figures.FAST_LINK}
+  if jax.process_index() != 0:  # in a launched job, the first process writes the files
+    return 0
+  written = output.write_files(args.out, meta, rows, projected, projection_title)
+  written += plots.write_plots(args.out, rows,
+                               {name: task.description for (name, _), task in tasks.items()})
+  written.append(os.path.join(args.out, f"projection_vs_bandwidth_{args.projection_model}.png"))
+  plots.projection_vs_bandwidth(
+      _projection_curves(args, methods, big_setting), written[-1],
+      f"{args.projection_model} gradients on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs "
+      "(modeled), NVLink 4 inside hosts")
+  console.print("wrote " + ", ".join(written), highlight=False)
+  return 0

@@ -1,0 +1,95 @@
+"""Figures derived from the measured runs: ratios, gaps, overhead, iso-quality, modeled time.
+
+Within one ``(model, mesh)`` group every run saw the same data for the same number of steps,
+so the figures compare methods against that group's ``fp32`` (ratios, loss gaps,
+iso-quality, speedups) and ``identity`` (compression overhead) runs; a figure whose
+reference was not run is ``None``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from jaxcomm import costmodel, links
+
+FAST_LINK = "nvlink4"
+#: Modeled clusters: ``{label: slow (inter-host) link preset}``, NVLink 4 inside each host.
+#: Iso-quality target: fp32's final training loss plus this fraction of it.
+ISO_TOLERANCE = 0.01
+CLUSTERS = {"nvlink+ib-hdr": "ib-hdr", "nvlink+100gbe": "100gbe", "nvlink+10gbe": "10gbe",
+            "nvlink+1gbe": "1gbe"}
+
+
+def smoothed(losses: list[float], window: int) -> np.ndarray:
+  """Trailing mean over ``window`` steps (fewer at the start): entry ``t`` averages
+  ``losses[max(0, t - window + 1) : t + 1]``."""
+  values = np.asarray(losses, dtype=np.float64)
+  sums = np.cumsum(values)
+  starts = np.maximum(np.arange(len(values)) - window + 1, 0)
+  return (sums - np.concatenate([[0.0], sums])[starts]) / (np.arange(len(values)) - starts + 1)
+
+
+def iso_quality_steps(losses: list[float], target: float, window: int) -> int | None:
+  """Steps until the ``window``-step trailing mean loss first reaches ``target``, else ``None``.
+
+  Only full windows count, so a lucky first batch cannot reach it.
+  """
+  curve = smoothed(losses, window)
+  reached = np.nonzero(curve[window - 1:] <= target)[0]
+  return int(reached[0]) + window if reached.size else None
+
+
+def modeled_seconds(compute_s: float, report, slow: links.Link | str) -> float:
+  """``compute_s`` plus the modeled communication of the compiled step on NVLink + ``slow``."""
+  return costmodel.step_time(compute_s, report, {"host": slow, "local": FAST_LINK})
+
+
+def _ratio(reference: float | None, value: float) -> float | None:
+  if reference is None or reference == value == 0:
+    return None
+  return float("inf") if value == 0 else reference / value
+
+
+def derive(rows: list[dict]) -> None:
+  """Adds the derived figures to every successful row, in place.
+
+  Adds ``final_train_loss`` (mean of the last ``row['window']`` losses), ``median_step_ms``,
+  ``ratio_vs_fp32``,
+  ``ratio_vs_fp32_hier`` (inter-host bytes), ``held_out_gap_pct``, ``train_gap_pct``,
+  ``overhead_pct`` (median step time against ``identity``), ``iso_quality_steps`` (to within
+  :data:`ISO_TOLERANCE` of fp32's final train loss; ``None``: not reached), ``modeled_ms``
+  and ``speedup`` per cluster.
+  """
+  ok = [row for row in rows if "error" not in row]
+  for row in ok:
+    row["final_train_loss"] = float(np.mean(row["losses"][-row["window"]:]))
+    row["median_step_ms"] = 1e3 * row["median_step_s"]
+    row["modeled_ms"] = {name: 1e3 * modeled_seconds(row["median_step_s"], row["report"], slow)
+                         for name, slow in CLUSTERS.items()}
+  for row in ok:
+    group = {r["method"]: r for r in ok if (r["model"], r["mesh"]) == (row["model"], row["mesh"])}
+    fp32, hier, identity = group.get("fp32"), group.get("fp32-hier"), group.get("identity")
+    row["ratio_vs_fp32"] = _ratio(fp32 and fp32["inter_host_bytes"], row["inter_host_bytes"])
+    row["ratio_vs_fp32_hier"] = _ratio(hier and hier["inter_host_bytes"],
+                                       row["inter_host_bytes"])
+    row["held_out_gap_pct"] = (100 * (row["held_out_loss"] / fp32["held_out_loss"] - 1)
+                               if fp32 else None)
+    row["train_gap_pct"] = (100 * (row["final_train_loss"] / fp32["final_train_loss"] - 1)
+                            if fp32 else None)
+    row["overhead_pct"] = (100 * (row["median_step_s"] / identity["median_step_s"] - 1)
+                           if identity else None)
+    row["iso_quality_steps"] = (iso_quality_steps(
+        row["losses"], (1 + ISO_TOLERANCE) * fp32["final_train_loss"], row["window"])
+                                if fp32 else None)
+    row["speedup"] = ({name: fp32["modeled_ms"][name] / ms
+                       for name, ms in row["modeled_ms"].items()} if fp32 else None)
+
+
+def best_within(rows: list[dict], model: str, mesh: str, tolerance_pct: float) -> dict | None:
+  """The row with the highest ``ratio_vs_fp32`` whose held-out loss is within
+  ``tolerance_pct`` of fp32's (``None`` when fp32 was not run, no inter-host bytes were sent
+  or no row qualifies)."""
+  eligible = [r for r in rows if "error" not in r and (r["model"], r["mesh"]) == (model, mesh)
+              and r["ratio_vs_fp32"] is not None and r["held_out_gap_pct"] is not None
+              and r["held_out_gap_pct"] <= tolerance_pct]
+  return max(eligible, key=lambda r: r["ratio_vs_fp32"], default=None)

@@ -1,0 +1,189 @@
+"""The method registry: each entry says how to build one way of averaging gradients.
+
+A :class:`Method` is a name, a one-line summary, ``build(setting)`` returning the *whole*
+optimizer (an ``optax.GradientTransformation`` whose first element communicates; methods
+such as 1-bit Adam that replace the optimizer return their own chain) and, where the cost
+model can describe it, ``project(setting, shapes, hosts, local, fast, slow)`` returning the
+modeled communication of one step of a large model (see :mod:`benchmarks.scan.projection`).
+``make_step`` builds the train step; every method here uses :func:`jaxcomm.data_parallel_step`
+(replicated parameters, batch split over the devices). A method whose parameters differ per
+device (gossip, local SGD between syncs) supplies its own.
+
+Adding a method is adding one :func:`register` call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+import jaxcomm
+from benchmarks.scan import projection
+
+AXES = ("host", "local")
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What a builder may read: the flags, the mesh sizes and the parameters.
+
+  Attributes:
+    lr: learning rate of the optimizer after the allreduce.
+    seed: seed for stochastic compressors.
+    topk_fraction: fraction of each shard that top-k and random-k send.
+    sketch_fraction: count-sketch cells as a fraction of the shard's elements.
+    hosts: size of the slow axis.
+    local: size of the fast axis.
+    params: the model parameters (a pytree of arrays).
+  """
+  lr: float
+  seed: int
+  topk_fraction: float
+  sketch_fraction: float
+  hosts: int
+  local: int
+  params: Any
+
+  @property
+  def shard_elements(self) -> int:
+    """Elements of one device's slow-axis shard of all parameters in one bucket."""
+    total = sum(leaf.size for leaf in jax.tree.leaves(self.params))
+    return -(-total // self.local)
+
+
+class Method(NamedTuple):
+  """One entry of the registry.
+
+  Attributes:
+    name: the ``--methods`` name.
+    summary: one line for ``--help`` and the docs.
+    build: ``build(setting) -> optax.GradientTransformation``, the whole optimizer.
+    project: ``project(setting, shapes, hosts, local, fast, slow) -> projection.Comm`` for a
+      large model's gradient shapes, or ``None`` where the cost model has no formula.
+    make_step: ``make_step(loss_fn, tx, mesh, specs) -> step(params, state, batch)`` returning
+      ``(params, state, loss)``.
+  """
+  name: str
+  summary: str
+  build: Callable[[Setting], optax.GradientTransformation]
+  project: Callable[..., projection.Comm] | None
+  make_step: Callable = jaxcomm.data_parallel_step
+
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+  """Adds ``method`` to :data:`REGISTRY` (names are unique)."""
+  if method.name in REGISTRY:
+    raise ValueError(f"method {method.name!r} is already registered.")
+  REGISTRY[method.name] = method
+  return method
+
+
+def _adamw(reduce: optax.GradientTransformation, setting: Setting):
+  return optax.chain(reduce, optax.adamw(setting.lr))
+
+
+def _flat_pmean() -> optax.GradientTransformation:
+  """The mean over every device in one flat full-precision all-reduce."""
+  return optax.GradientTransformation(
+      lambda params: optax.EmptyState(),
+      lambda grads, state, params=None: (jax.lax.pmean(grads, AXES), state))
+
+
+def _compressed(name: str, summary: str, make_compressor: Callable[[Setting], Any] | None,
+                *, strategy: str | None = None, feedback: bool = False,
+                bucketed: bool = False, project: Callable | None = None) -> Method:
+  """A :func:`jaxcomm.compressed_allreduce` method whose slow-axis compressor is
+  ``make_compressor(setting)`` (``None``: full precision); ``bucketed`` packs all leaves into
+  one bucket. ``project`` defaults to :func:`projection.hierarchical` per leaf."""
+
+  def compressor(setting):
+    return None if make_compressor is None else make_compressor(setting)
+
+  def build(setting):
+    bucket_bytes = (4 * sum(leaf.size for leaf in jax.tree.leaves(setting.params))
+                    if bucketed else None)
+    return _adamw(jaxcomm.compressed_allreduce(
+        compressor(setting), strategy=strategy, feedback=feedback, seed=setting.seed,
+        bucket_bytes=bucket_bytes), setting)
+
+  def per_leaf(setting, shapes, hosts, local, fast, slow):
+    return projection.hierarchical(shapes, hosts, local, fast, slow, compressor(setting),
+                                   strategy)
+
+  return Method(name, summary, build, project or per_leaf)
+
+
+def _sketch(setting: Setting):
+  # One row: the estimate s(i) S[h(i)] is unbiased and the sketch linear. Error feedback in
+  # parameter space diverges with a count sketch (its error is not contractive: measured);
+  # FetchSGD keeps momentum and error inside the sketch, which jaxcomm does not offer.
+  width = max(1, math.ceil(setting.sketch_fraction * setting.shard_elements))
+  return jaxcomm.count_sketch(width, 1, seed=setting.seed)
+
+
+def _sketch_project(setting, shapes, hosts, local, fast, slow):
+  # The model's gradient in one bucket: one sketch of sketch_fraction of its shard.
+  total = sum(math.prod(shape) for shape in shapes)
+  big = dataclasses.replace(setting, params=[jax.ShapeDtypeStruct((total,), jnp.float32)])
+  return projection.hierarchical([(total,)], hosts, local, fast, slow, _sketch(big), None)
+
+
+def _powersgd(rank: int) -> Method:
+  return Method(
+      f"powersgd-r{rank}",
+      f"PowerSGD rank {rank} across hosts (dense psum inside), error feedback, warm start",
+      lambda setting: _adamw(jaxcomm.powersgd_allreduce(rank, seed=setting.seed), setting),
+      lambda setting, shapes, hosts, local, fast, slow: projection.powersgd(
+          shapes, hosts, local, fast, slow, rank))
+
+
+def _entries() -> list[Method]:
+  return [
+      Method("fp32", "plain jax.lax.pmean over both axes at full precision (the reference)",
+             lambda setting: _adamw(_flat_pmean(), setting),
+             lambda setting, *args: projection.flat_fp32(*args)),
+      _compressed("fp32-hier", "jaxcomm hierarchical allreduce, full precision on both axes",
+                  None),
+      _compressed("identity", "the identity compressor across hosts (psum of its payload): "
+                  "the reference for compression overhead", lambda s: jaxcomm.identity()),
+      _compressed("bf16", "bfloat16 cast across hosts, summed with psum (linear)",
+                  lambda s: jaxcomm.cast(jnp.bfloat16, axis_size=s.hosts)),
+      _compressed("int8", "8-bit stochastic quantization across hosts (unbiased, no error "
+                  "feedback)", lambda s: jaxcomm.quantize(8)),
+      _compressed("qsgd", "QSGD with 16 levels across hosts (unbiased, no error feedback)",
+                  lambda s: jaxcomm.qsgd(16)),
+      _compressed("terngrad", "TernGrad, 2 bits per element across hosts (unbiased, no error "
+                  "feedback)", lambda s: jaxcomm.terngrad()),
+      _compressed("sign-ef", "scaled 1-bit sign across hosts, error feedback, all-gather",
+                  lambda s: jaxcomm.sign(), strategy="gather", feedback=True),
+      _compressed("sign-ef-2p", "scaled 1-bit sign, error feedback, two-phase (all-to-all, "
+                  "re-compress, all-gather)", lambda s: jaxcomm.sign(), strategy="two_phase",
+                  feedback=True),
+      _compressed("topk-ef", "top-k (--topk-fraction) across hosts, error feedback, all-gather",
+                  lambda s: jaxcomm.topk(s.topk_fraction), strategy="gather", feedback=True),
+      _compressed("topk-ef-2p", "top-k with error feedback, two-phase (all-to-all, "
+                  "re-compress, all-gather)", lambda s: jaxcomm.topk(s.topk_fraction),
+                  strategy="two_phase", feedback=True),
+      _compressed("randomk-ef", "random-k (--topk-fraction, indices shared, unscaled) across "
+                  "hosts, error feedback, psum",
+                  lambda s: jaxcomm.randomk(s.topk_fraction, scale=False, seed=s.seed),
+                  feedback=True),
+      _compressed("sketch", "count sketch (one row, --sketch-fraction of the shard) of all "
+                  "gradients in one bucket, psum, every estimate decoded (unbiased, no error "
+                  "feedback)", _sketch, bucketed=True, project=_sketch_project),
+      _powersgd(1),
+      _powersgd(4),
+  ]
+
+
+for _method in _entries():
+  register(_method)

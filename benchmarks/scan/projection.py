@@ -1,0 +1,111 @@
+"""Modeled communication of one step of a large model's gradient allreduce, per method.
+
+Nothing is compiled: these are alpha-beta figures from the gradient shapes
+(:mod:`jaxcomm.costmodel`), one collective per leaf and phase, for ``H`` hosts of ``G``
+devices. Each function returns a :class:`Comm`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcomm import costmodel
+from jaxcomm.compress.powersgd import compression_rate, matrix_shape
+
+Shape = tuple[int, ...]
+
+
+class Comm(NamedTuple):
+  """Bytes each device sends per step on each link, and the modeled seconds.
+
+  Attributes:
+    slow_bytes: over the inter-host link.
+    fast_bytes: over the intra-host link.
+    seconds: modeled communication time, the phases one after another.
+  """
+  slow_bytes: float
+  fast_bytes: float
+  seconds: float
+
+
+def _ring_bytes(nbytes: float, devices: int) -> float:
+  """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2(n-1)/n D``."""
+  return 2 * (devices - 1) / devices * nbytes
+
+
+def flat_fp32(shapes: Iterable[Shape], hosts: int, local: int, fast, slow) -> Comm:
+  """A plain fp32 ``pmean`` over all ``H G`` devices: one ring per leaf, on the slow link.
+
+  With ``H = 1`` the ring never leaves the host and runs on the fast link.
+  """
+  devices = hosts * local
+  on = slow if hosts > 1 else fast
+  sizes = [4 * math.prod(shape) for shape in shapes]
+  nbytes = sum(_ring_bytes(size, devices) for size in sizes)
+  seconds = math.fsum(costmodel.all_reduce_time(size, devices, on) for size in sizes)
+  return Comm(nbytes if hosts > 1 else 0.0, 0.0 if hosts > 1 else nbytes, seconds)
+
+
+def _strategy(compressor, strategy: str | None, hosts: int) -> str:
+  """The strategy :func:`jaxcomm.compressed_allreduce` would run (its automatic choice)."""
+  if strategy is not None:
+    return strategy
+  if compressor.linear:
+    return "linear"
+  stateless = not jax.tree.leaves(compressor.init((8,), jnp.float32))
+  return "two_phase" if hosts > 2 and stateless else "gather"
+
+
+def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, compressor,
+                 strategy: str | None) -> Comm:
+  """Dense reduce-scatter / all-gather inside hosts, ``compressor`` across them.
+
+  ``gather`` and ``two_phase`` are :func:`jaxcomm.costmodel.project`; ``linear`` (a ``psum``
+  of each device's ``c``-byte payload) costs a ring all-reduce of ``c`` on the slow link.
+  """
+  shapes = list(shapes)
+  if compressor is None:
+    dense = costmodel.project(shapes, hosts, local, fast, slow)
+    return Comm(dense.slow_bytes, dense.fast_bytes, dense.total_seconds)
+  resolved = _strategy(compressor, strategy, hosts)
+  if resolved != "linear":
+    result = costmodel.project(shapes, hosts, local, fast, slow, compressor.wire_bytes,
+                               strategy=resolved)
+    return Comm(result.slow_bytes, result.fast_bytes, result.total_seconds)
+  dense = costmodel.project(shapes, hosts, local, fast, slow)
+  payloads = [compressor.wire_bytes((-(-math.prod(shape) // local),), np.float32)
+              for shape in shapes]
+  return Comm(sum(_ring_bytes(c, hosts) for c in payloads), dense.fast_bytes,
+              dense.fast_seconds + math.fsum(costmodel.all_reduce_time(c, hosts, slow)
+                                             for c in payloads))
+
+
+def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: int,
+             min_compression_rate: float = 2.0) -> Comm:
+  """:func:`jaxcomm.powersgd_allreduce`: dense ``psum`` of every leaf inside hosts; across
+  hosts, for the leaves viewed as ``m x n`` matrices whose rate reaches
+  ``min_compression_rate``, one ``psum`` of the stacked ``P`` (``4 r m`` bytes per leaf) and
+  one of the stacked ``Q`` (``4 r n``) per distinct matrix shape; other leaves dense."""
+  fast_bytes = slow_bytes = seconds = 0.0
+  stacked: dict[tuple[int, int], int] = {}
+  messages = []
+  for shape in shapes:
+    size = 4 * math.prod(shape)
+    fast_bytes += _ring_bytes(size, local)
+    seconds += costmodel.all_reduce_time(size, local, fast)
+    if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
+      matrix = matrix_shape(tuple(shape))
+      stacked[matrix] = stacked.get(matrix, 0) + 1
+    else:
+      messages.append(size)
+  for (rows, cols), count in stacked.items():
+    messages += [4 * rank * rows * count, 4 * rank * cols * count]
+  slow_bytes = sum(_ring_bytes(m, hosts) for m in messages)
+  seconds += math.fsum(costmodel.all_reduce_time(m, hosts, slow) for m in messages)
+  return Comm(slow_bytes, fast_bytes, seconds)

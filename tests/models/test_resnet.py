@@ -1,0 +1,48 @@
+"""The CIFAR-style ResNet has the expected shapes and fits the generated template images."""
+
+import jax
+import optax
+import pytest
+from flax import nnx
+
+from models import resnet
+
+
+def _count(params):
+  return sum(leaf.size for leaf in jax.tree.leaves(params))
+
+
+def test_resnet20_shapes_and_size():
+  abstract = nnx.eval_shape(lambda: resnet.ResNet((16, 32, 64), 3, rngs=nnx.Rngs(0)))
+  assert _count(nnx.state(abstract, nnx.Param)) == pytest.approx(0.27e6, rel=0.03)
+  graphdef, params = resnet.init_resnet((8, 16), blocks=1)
+  images, labels = resnet.template_images(0, 4)
+  assert images.shape == (4, 32, 32, 3) and labels.shape == (4,)
+  logits = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x), params, images)
+  assert logits.shape == (4, 10)
+
+
+def test_template_images_are_deterministic_and_share_templates():
+  a, la = resnet.template_images(1, 16, size=16)
+  b, lb = resnet.template_images(1, 16, size=16)
+  assert (a == b).all() and (la == lb).all()
+
+
+def test_small_resnet_learns_the_templates():
+  graphdef, params = resnet.init_resnet((8, 16), blocks=1)
+  loss_fn = resnet.image_loss(graphdef)
+  batch = resnet.template_images(0, 64, size=16)
+  tx = optax.adam(1e-2)
+  state = tx.init(params)
+
+  @jax.jit
+  def step(params, state):
+    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    updates, state = tx.update(grads, state)
+    return optax.apply_updates(params, updates), state, loss
+
+  first = None
+  for _ in range(30):
+    params, state, loss = step(params, state)
+    first = first if first is not None else float(loss)
+  assert float(loss) < 0.7 * first  # 2.5 -> 1.6 nats measured
