@@ -127,24 +127,20 @@ def collectives_worker(args) -> list[dict]:
 
 def train_worker(args) -> list[dict]:
   """Trains the mesh_scan MLP with each method on the launched ``(processes, local)`` mesh."""
-  import jax
-
   import jaxcomm
-  from benchmarks import mesh_scan
-  from models.data import teacher_classification
+  from benchmarks.scan.methods import REGISTRY, Setting
+  from benchmarks.scan.run import run
+  from benchmarks.scan.tasks import BATCH, TASKS
   mesh = jaxcomm.make_mesh()
-  scan_args = mesh_scan.parse_args([
-      "--hosts", str(mesh.shape["host"]), "--local", str(mesh.shape["local"]),
-      "--simulated-devices", str(mesh.size), "--steps", str(args.steps),
-      "--timed-steps", str(args.timed_steps), "--hidden", args.hidden])
-  samples = scan_args.batch * mesh.size * scan_args.steps
-  data = teacher_classification(scan_args.seed, samples + 4096, scan_args.features,
-                                scan_args.classes)
-  held_out = jax.tree.map(lambda a: a[samples:], data)
+  hidden = tuple(int(width) for width in args.hidden.split(","))
+  task = TASKS["mlp"]("default", BATCH["mlp"] * mesh.size, args.steps, 0, hidden)
+  setting = Setting(lr=task.lr, seed=0, topk_fraction=0.01, sketch_fraction=0.01,
+                    hosts=mesh.shape["host"], local=mesh.shape["local"], params=task.params)
   rows = []
   for method in args.methods:
-    row = mesh_scan.run_method(method, scan_args, mesh, data, held_out)
-    rows.append({k: v for k, v in row.items() if k != "params"})
+    row = run(task, REGISTRY[method], mesh, setting, args.steps, args.timed_steps)
+    rows.append({"method": method, "inter_host_bytes": row["inter_host_bytes"],
+                 "median_step_ms": 1e3 * row["median_step_s"]})
   return rows
 
 

@@ -125,6 +125,14 @@ def scan(args: argparse.Namespace) -> int:
                       f"per step on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs, "
                       "NVLink 4 inside hosts; x fp32: speedup of the allreduce time")
   output.print_tables(console, rows, projected, projection_title)
+  for row in rows:
+    if row["method"] == "topk-ef" and "report" in row:
+      measured, formula = figures.topk_payload_check(row, tasks[(row["model"], row["steps"])],
+                                                     args.topk_fraction)
+      console.print(f"{row['model']} {row['mesh']} topk-ef: top-k payload all-gathers over the "
+                    f"host axis send {measured:,.0f} B per device per step; formula "
+                    f"(H-1)*8*sum(k) = {formula:,} ({100 * (measured / formula - 1):+.2f}%)",
+                    highlight=False)
   for model, mesh in dict.fromkeys((r["model"], r["mesh"]) for r in rows):
     best = figures.best_within(rows, model, mesh, 1.0)
     if best is None:

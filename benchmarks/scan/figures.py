@@ -8,6 +8,7 @@ reference was not run is ``None``.
 
 from __future__ import annotations
 
+import jax
 import numpy as np
 
 from jaxcomm import costmodel, links
@@ -93,3 +94,22 @@ def best_within(rows: list[dict], model: str, mesh: str, tolerance_pct: float) -
               and r["ratio_vs_fp32"] is not None and r["held_out_gap_pct"] is not None
               and r["held_out_gap_pct"] <= tolerance_pct]
   return max(eligible, key=lambda r: r["ratio_vs_fp32"], default=None)
+
+
+def topk_payload_check(row: dict, task, fraction: float) -> tuple[float, int]:
+  """Measured bytes of the top-k payload all-gathers over the host axis against the formula.
+
+  Per leaf, each device's shard of ``ceil(d/G)`` elements keeps
+  ``k = max(1, floor(fraction ceil(d/G)))`` float32 values with int32 indices, and the
+  all-gather sends them to ``H-1`` peers: ``(H-1) * 8 * sum(k)`` bytes per device per step.
+
+  Returns:
+    ``(measured, formula)``.
+  """
+  from jaxcomm.compress.topk import topk_count
+  hosts, local = row["hosts"], row["local"]
+  measured = sum(op.bytes_per_device for op in row["report"].collectives
+                 if op.kind == "all-gather" and op.axes == ("host",))
+  total_k = sum(topk_count((-(-leaf.size // local),), fraction, None)
+                for leaf in jax.tree.leaves(task.params))
+  return measured, (hosts - 1) * 8 * total_k
