@@ -39,10 +39,10 @@ def _task(args, model: str, steps: int, cache: dict):
   return cache[key]
 
 
-def _setting(args, task, hosts: int, local: int) -> Setting:
+def _setting(args, task, hosts: int, local: int, steps: int = 1000) -> Setting:
   return Setting(lr=args.lr or task.lr, seed=args.seed, topk_fraction=args.topk_fraction,
                  sketch_fraction=args.sketch_fraction, hosts=hosts, local=local,
-                 params=task.params)
+                 params=task.params, steps=steps)
 
 
 def _project(args, methods: list[str], setting: Setting) -> list[dict]:
@@ -110,7 +110,7 @@ def scan(args: argparse.Namespace) -> int:
              "method": method, "steps": steps, "window": window}
       mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
       try:
-        row |= run(task, REGISTRY[method], mesh, _setting(args, task, hosts, local), steps,
+        row |= run(task, REGISTRY[method], mesh, _setting(args, task, hosts, local, steps), steps,
                    window, lambda: progress.advance(bar))
       except (ValueError, TypeError, NotImplementedError) as error:
         row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0]}"

@@ -41,6 +41,7 @@ class Setting:
     hosts: size of the slow axis.
     local: size of the fast axis.
     params: the model parameters (a pytree of arrays).
+    steps: training steps of the run (sets warm-up lengths).
   """
   lr: float
   seed: int
@@ -49,6 +50,7 @@ class Setting:
   hosts: int
   local: int
   params: Any
+  steps: int = 1000
 
   @property
   def shard_elements(self) -> int:
@@ -182,6 +184,17 @@ def _entries() -> list[Method]:
                   "feedback)", _sketch, bucketed=True, project=_sketch_project),
       _powersgd(1),
       _powersgd(4),
+      Method("dgc", "Deep Gradient Compression: momentum correction and masking, top-k "
+             "(--topk-fraction) of the velocity over all devices, all-gather; SGD after it",
+             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction), optax.sgd(10 * s.lr)),
+             lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
+                 shapes, hosts, local, fast, slow, jaxcomm.topk(s.topk_fraction), "gather")),
+      Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
+             "and 1-bit momentum across hosts (two-phase, worker and server error feedback); its bytes "
+             "count both branches of the compiled step, warm-up and 1-bit",
+             lambda s: jaxcomm.onebit_adam(s.lr, warmup_steps=max(1, s.steps // 10)),
+             lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
+                 shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase")),
   ]
 
 

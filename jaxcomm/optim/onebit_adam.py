@@ -43,7 +43,10 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
   compressed allreduce: full precision over ``fast_axis``, scaled sign (1 bit per element)
   over ``slow_axis`` with the two-phase collective and worker and server error feedback. The
   averaged momentum becomes ``mu``; the update is ``-lr * mu_hat / (sqrt(nu_hat) + eps)``
-  with ``nu_hat`` corrected at the step it froze.
+  with ``nu_hat`` corrected at the step it froze. Coordinates whose variance is still zero
+  when it freezes (they had no gradient during the warm-up) are not updated afterwards:
+  1-bit momentum gives them a non-zero value that a zero variance would blow up; make the
+  warm-up long enough for every parameter that matters to have been used.
 
   Bytes per device and step after the warm-up, for a leaf of ``D`` bytes (``d`` elements),
   ``G`` devices per host and ``H`` hosts: ``2 (G-1)/G D`` over the fast axis and about
@@ -126,7 +129,10 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     frozen_at = jnp.minimum(count, warmup_steps).astype(jnp.float32)
     mu_hat = 1 - b1 ** count.astype(jnp.float32)
     nu_hat = 1 - b2 ** frozen_at
-    updates = [-learning_rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps)
+    # A coordinate whose variance is still 0 (no gradient during the whole warm-up, e.g. an
+    # unused embedding row) would be divided by eps once 1-bit momentum, which sends every
+    # coordinate as +-scale, makes its momentum non-zero: it is not updated instead.
+    updates = [jnp.where(v > 0, -learning_rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps), 0.0)
                for m, v in zip(new_mu, new_nu)]
     updates = [u.astype(g.dtype) for u, g in zip(updates, jax.tree.leaves(grads))]
     return treedef.unflatten(updates), OneBitAdamState(

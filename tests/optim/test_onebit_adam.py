@@ -95,3 +95,25 @@ def test_bad_arguments(kwargs, match):
   arguments = {"learning_rate": 1e-3, "warmup_steps": 10, **kwargs}
   with pytest.raises((ValueError, TypeError), match=match):
     jaxcomm.onebit_adam(**arguments)
+
+
+def test_coordinates_without_gradient_during_warm_up_stay_put_and_finite():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = jaxcomm.onebit_adam(1e-2, warmup_steps=2)
+  params = {"used": jnp.zeros(16), "unused": jnp.zeros(16)}
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXES)),
+                     out_specs=(P(), specs))
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  for index in range(6):
+    unused = jnp.zeros((8, 16)) if index < 2 else jnp.ones((8, 16))  # gradient after warm-up
+    grads = {"used": jax.random.normal(jax.random.PRNGKey(index), (8, 16)), "unused": unused}
+    params, state = step(params, state, grads)
+  chex.assert_tree_all_finite(params)
+  chex.assert_trees_all_equal(params["unused"], jnp.zeros(16))
+  assert float(jnp.max(jnp.abs(params["used"]))) > 0
