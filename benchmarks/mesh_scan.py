@@ -56,6 +56,8 @@ PROFILES = {
         Scan(("charlm",), ("4x2", "8x1"), ("fp32", "fp32-hier", "int8", "topk-ef", "topk-ef-2p"),
              steps=60),
         Scan(("resnet",), ("2x4",), ("fp32", "topk-ef", "powersgd-r4"), steps=30),
+        Scan(("transformer",), ("2x4",), ("fp32", "int8", "sign-ef", "topk-ef", "powersgd-r4"),
+             steps=100),
     )),
 }
 

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 
 #: Examples per device per step.
-BATCH = {"charlm": 32, "mlp": 32, "resnet": 8}
+BATCH = {"charlm": 32, "mlp": 32, "resnet": 8, "transformer": 8}
 
 
 class Task(NamedTuple):
@@ -103,5 +103,40 @@ def resnet(size: str, global_batch: int, steps: int, seed: int, hidden=None) -> 
 
 
 #: ``factory(size, global_batch, steps, seed, hidden=None)``; ``hidden`` overrides the widths.
+def transformer(size: str, global_batch: int, steps: int, seed: int, hidden=None) -> Task:
+  """The sequence-parallel issue's transformer LM (dense attention) on the stdlib corpus:
+  next-byte prediction at every position of each window."""
+  import jax.numpy as jnp
+  from flax import nnx
+
+  from models import text
+  from models.transformer import TransformerConfig, TransformerLM, make_attention, next_token_loss
+  context, width, layers = (32, 32, 1) if size == "quick" else (64, 64, 2)
+  width = hidden[0] if hidden else width
+  config = TransformerConfig(vocab_size=256, d_model=width, num_heads=4, num_kv_heads=2,
+                             num_layers=layers, mlp_dim=2 * width)
+  graphdef, state = nnx.split(TransformerLM(config, make_attention("dense"),
+                                            rngs=nnx.Rngs(seed)))
+  params = nnx.to_pure_dict(state)
+  corpus = text.load_corpus()
+  # Windows of context + 1 bytes: inputs are the first context, targets the last context.
+  train, _ = text.sample_windows(corpus.train, global_batch * steps, context + 1, seed)
+  held, _ = text.sample_windows(corpus.held_out, 1024, context + 1, seed + 1)
+  positions = jnp.arange(context)
+
+  def loss_fn(params, batch):
+    tokens, targets = batch
+    logits = nnx.merge(graphdef, params)(tokens, positions)
+    return next_token_loss(logits, targets) / targets.size
+
+  def batch(step):
+    rows = train[step * global_batch:(step + 1) * global_batch]
+    return rows[:, :-1], rows[:, 1:]
+
+  return Task("transformer", f"transformer LM, {layers} layers, d_model {width}, GQA 4/2 heads, "
+              f"{context}-byte context ({_count(params):,} params) on the stdlib corpus",
+              params, loss_fn, batch, (held[:, :-1], held[:, 1:]), 3e-3)
+
+
 TASKS: dict[str, Callable[..., Task]] = {
-    "charlm": charlm, "mlp": mlp, "resnet": resnet}
+    "charlm": charlm, "mlp": mlp, "resnet": resnet, "transformer": transformer}

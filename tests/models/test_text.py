@@ -62,3 +62,16 @@ def test_char_mlp_learns_python(corpus):
   for _ in range(60):
     params, state, loss = step(params, state)
   assert float(loss) < 3.5  # from 5.5 nats: it picked up the byte statistics of Python
+
+
+def test_transformer_task_predicts_every_next_byte_with_a_finite_loss():
+  import jax
+  import numpy as np
+
+  from benchmarks.scan.tasks import TASKS
+  task = TASKS["transformer"]("quick", 4, 2, 0)
+  tokens, targets = task.batch(1)
+  assert tokens.shape == targets.shape == (4, 32)
+  np.testing.assert_array_equal(tokens[:, 1:], targets[:, :-1])  # targets are inputs shifted
+  loss = float(jax.jit(task.loss_fn)(task.params, task.batch(0)))
+  assert np.isfinite(loss) and abs(loss - np.log(256)) < 1.0  # about uniform at init
