@@ -40,9 +40,12 @@ def iso_quality_steps(losses: list[float], target: float, window: int) -> int | 
   return int(reached[0]) + window if reached.size else None
 
 
-def modeled_seconds(compute_s: float, report, slow: links.Link | str) -> float:
-  """``compute_s`` plus the modeled communication of the compiled step on NVLink + ``slow``."""
-  return costmodel.step_time(compute_s, report, {"host": slow, "local": FAST_LINK})
+def modeled_seconds(compute_s: float, report, slow: links.Link | str,
+                    comm_every: int = 1) -> float:
+  """``compute_s`` plus the modeled communication of the compiled step on NVLink + ``slow``,
+  paid once every ``comm_every`` steps."""
+  communication = costmodel.step_time(0.0, report, {"host": slow, "local": FAST_LINK})
+  return compute_s + communication / comm_every
 
 
 def _ratio(reference: float | None, value: float) -> float | None:
@@ -65,7 +68,8 @@ def derive(rows: list[dict]) -> None:
   for row in ok:
     row["final_train_loss"] = float(np.mean(row["losses"][-row["window"]:]))
     row["median_step_ms"] = 1e3 * row["median_step_s"]
-    row["modeled_ms"] = {name: 1e3 * modeled_seconds(row["median_step_s"], row["report"], slow)
+    row["modeled_ms"] = {name: 1e3 * modeled_seconds(row["median_step_s"], row["report"], slow,
+                                                     row.get("comm_every", 1))
                          for name, slow in CLUSTERS.items()}
   for row in ok:
     group = {r["method"]: r for r in ok if (r["model"], r["mesh"]) == (row["model"], row["mesh"])}

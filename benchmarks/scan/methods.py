@@ -70,12 +70,18 @@ class Method(NamedTuple):
       large model's gradient shapes, or ``None`` where the cost model has no formula.
     make_step: ``make_step(loss_fn, tx, mesh, specs) -> step(params, state, batch)`` returning
       ``(params, state, loss)``.
+    device_local: every device trains its own copy of the parameters (local SGD, DiLoCo,
+      gossip); the held-out loss is that of the devices' average.
+    comm_every: the method's collectives run once every this many steps (they sit inside a
+      ``lax.cond``, which the compiled program contains once): bytes per step are divided by it.
   """
   name: str
   summary: str
   build: Callable[[Setting], optax.GradientTransformation]
   project: Callable[..., projection.Comm] | None
   make_step: Callable = jaxcomm.data_parallel_step
+  device_local: bool = False
+  comm_every: int = 1
 
 
 REGISTRY: dict[str, Method] = {}
@@ -148,6 +154,26 @@ def _powersgd(rank: int) -> Method:
           shapes, hosts, local, fast, slow, rank))
 
 
+def _diloco(period: int, sync: str | None) -> Method:
+  """DiLoCo: ``period`` local AdamW steps per device, then an outer Nesterov step on the
+  averaged pseudo-gradient, synchronized at full precision or with 1-bit sign + EF."""
+  label = "fp32" if sync is None else "1-bit sign with error feedback"
+
+  def build(setting):
+    reduce = jaxcomm.compressed_allreduce(None if sync is None else jaxcomm.sign())
+    return jaxcomm.diloco(optax.adamw(setting.lr), period, sync=reduce)
+
+  def project(setting, shapes, hosts, local, fast, slow):
+    comm = projection.hierarchical(shapes, hosts, local, fast, slow,
+                                   None if sync is None else jaxcomm.sign(), "gather")
+    return comm._replace(**{field: getattr(comm, field) / period for field in comm._fields})
+
+  name = f"diloco-h{period}" + ("" if sync is None else "-sign")
+  return Method(name, f"DiLoCo: {period} local AdamW steps per device, then an outer Nesterov "
+                f"step on the averaged pseudo-gradient ({label} sync)", build, project,
+                make_step=jaxcomm.local_training_step, device_local=True, comm_every=period)
+
+
 def _entries() -> list[Method]:
   return [
       Method("fp32", "plain jax.lax.pmean over both axes at full precision (the reference)",
@@ -189,6 +215,12 @@ def _entries() -> list[Method]:
              lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction), optax.sgd(10 * s.lr)),
              lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
                  shapes, hosts, local, fast, slow, jaxcomm.topk(s.topk_fraction), "gather")),
+      _diloco(8, None),
+      _diloco(8, "sign-ef"),
+      Method("gossip-ring", "decentralized AdamW: a local step, then averaging with the two ring "
+             "neighbours by ppermute (no allreduce)",
+             lambda s: jaxcomm.gossip(optax.adamw(s.lr), "ring"), None,
+             make_step=jaxcomm.local_training_step, device_local=True),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
              "and 1-bit momentum across hosts (two-phase, worker and server error feedback); its bytes "
              "count both branches of the compiled step, warm-up and 1-bit",

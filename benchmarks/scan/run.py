@@ -33,8 +33,13 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
     ``median_step_s``, and ``report`` (the :class:`~jaxcomm.accounting.CommReport`).
   """
   tx = method.build(setting)
-  params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  if method.device_local:
+    params = jaxcomm.to_device_local(task.params, mesh)
+    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh,
+                                            PartitionSpec(tuple(mesh.axis_names)))
+  else:
+    params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
+    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   batch_at = lambda index: jax.device_put(task.batch(index), sharding)  # noqa: E731
   # Compile once: the bytes are read from the very executable that is timed.
@@ -50,10 +55,13 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
     losses.append(float(loss))  # blocks until the step is done
     times.append(time.perf_counter() - started)
     on_step()
+  if method.device_local:
+    params = jaxcomm.device_mean(params, mesh)
   held_out = float(jax.jit(task.loss_fn)(params, task.held_out))
   return {
-      "inter_host_bytes": link["host"],
-      "intra_host_bytes": link["local"],
+      "comm_every": method.comm_every,
+      "inter_host_bytes": link["host"] / method.comm_every,
+      "intra_host_bytes": link["local"] / method.comm_every,
       "collectives": report.count(),
       "losses": losses,
       "held_out_loss": held_out,
