@@ -135,6 +135,13 @@ def check_float_input(x: jax.Array, name: str = "x") -> None:
         "out of the gradient pytree.")
 
 
+def check_float_tree(tree, name: str) -> None:
+  """:func:`check_float_input` on every leaf of a pytree, naming the leaf by its path
+  (``grads['dense']['kernel']``)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    check_float_input(leaf, f"{name}{jax.tree_util.keystr(path)}")
+
+
 def check_fraction(name: str, value: float) -> float:
   """Validates a fraction in (0, 1] at construction time."""
   if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):

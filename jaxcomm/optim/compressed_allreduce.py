@@ -14,7 +14,7 @@ from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
 from jaxcomm.collectives.strategies import TwoPhaseState
-from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
+from jaxcomm.compress.base import Compressor, check_dtype, check_float_tree
 from jaxcomm.compress.error_feedback import ErrorFeedbackState
 from jaxcomm.compress.policy import CompressionPolicy
 from jaxcomm.optim.nonfinite import any_nonfinite
@@ -183,8 +183,7 @@ def compressed_allreduce(
 
   def init(params) -> CompressedAllReduceState:
     require_axes(axes, "compressed_allreduce.init")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    check_float_tree(params, "params")
     level_states = tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
                          for bucket in plan(params))
     return CompressedAllReduceState(
@@ -196,8 +195,7 @@ def compressed_allreduce(
   def update(grads, state: CompressedAllReduceState, params=None):
     del params
     require_axes(axes, "compressed_allreduce.update")
-    for path, grad in jax.tree_util.tree_leaves_with_path(grads):
-      check_float_input(grad, f"grads{jax.tree_util.keystr(path)}")
+    check_float_tree(grads, "grads")
     require_varying(grads, axes, "compressed_allreduce.update")
     key, step_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(grads)

@@ -10,7 +10,7 @@ import optax
 
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
-from jaxcomm.compress.base import check_float, check_float_input, check_int_range
+from jaxcomm.compress.base import check_float, check_float_tree, check_int_range
 from jaxcomm.compress.sign import sign
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
@@ -86,8 +86,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
 
   def init(params) -> OneBitAdamState:
     require_axes(axes, "onebit_adam.init")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    check_float_tree(params, "params")
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return OneBitAdamState(
         count=jnp.zeros((), jnp.int32), mu=zeros, nu=zeros,

@@ -10,7 +10,8 @@ import optax
 
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
-from jaxcomm.compress.base import check_float, check_float_input, check_int_range
+from jaxcomm.compress.base import (check_float, check_float_input, check_float_tree,
+                                   check_int_range)
 from jaxcomm.compress.powersgd import compression_rate, initial_q
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
@@ -98,8 +99,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   def update(grads, state: PowerSGDAllReduceState, params=None):
     del params
     require_axes(axes, "powersgd_allreduce.update")
-    for path, grad in jax.tree_util.tree_leaves_with_path(grads):
-      check_float_input(grad, f"grads{jax.tree_util.keystr(path)}")
+    check_float_tree(grads, "grads")
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
     devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
