@@ -71,7 +71,7 @@ def main() -> None:
   loss_fn = classification_loss(graphdef)
   inputs, labels = teacher_classification(0, 8 * 32 * 100 + 4096, 64, 10)
   held_out = (inputs[-4096:], labels[-4096:])
-  print(f"| algorithm | inter-host bytes/step/device | held-out loss | vs fp32 |")
+  print("| algorithm | inter-host bytes/step/device | held-out loss | vs fp32 |")
   print("|---|---:|---:|---:|")
   reference = None
   for name, (tx, local, rate) in algorithms(args.lr).items():

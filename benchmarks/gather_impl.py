@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-import time
+
+from benchmarks.common import host_local_mesh, median_seconds
 
 
 def parse_args(argv=None):
@@ -30,21 +30,13 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
   args = parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from jaxcomm import distributed
-  launched = distributed.initialize_from_env()
+  mesh, launched = host_local_mesh(args.hosts, args.local)
   import jax
-  if not launched:
-    jax.config.update("jax_num_cpu_devices", args.hosts * args.local)
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  import jaxcomm
   from jaxcomm.collectives.strategies import psum_gather
-  mesh = jaxcomm.make_mesh() if launched else jaxcomm.make_mesh(hosts=args.hosts,
-                                                                local=args.local)
   axes = ("host", "local")
   rows = []
   for size_kb in (int(s) for s in args.sizes_kb.split(",")):
@@ -59,13 +51,7 @@ def main(argv=None) -> int:
       def run(x, gather=gather):
         return gather(x[0])[None].sum(axis=(0, 1), dtype=jnp.int32)[None]
 
-      jax.block_until_ready(run(data))
-      times = []
-      for _ in range(args.repeats):
-        start = time.perf_counter()
-        jax.block_until_ready(run(data))
-        times.append(time.perf_counter() - start)
-      timings[name] = 1e3 * float(np.median(times))
+      timings[name] = 1e3 * median_seconds(lambda run=run: run(data), args.repeats)
     rows.append((size_kb, timings["all_gather"], timings["psum"]))
   if jax.process_index() == 0:
     where = "processes (gloo)" if launched else "simulated CPU devices"

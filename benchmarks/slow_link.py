@@ -26,8 +26,9 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Sequence
+
+from benchmarks.common import median_seconds
 
 NAMESPACES = ("jaxcomm_host0", "jaxcomm_host1")
 VETH = ("jaxcomm_veth0", "jaxcomm_veth1")
@@ -79,18 +80,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def _median_seconds(call, repeats: int) -> float:
-  import jax
-  import numpy as np
-  jax.block_until_ready(call())
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(call())
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def collectives_worker(args) -> list[dict]:
   """Times each collective over the ``host`` axis (one device per process)."""
   import functools
@@ -118,7 +107,7 @@ def collectives_worker(args) -> list[dict]:
                       out_shardings=NamedSharding(mesh, spec))()
     for name in COLLECTIVES:
       run = jax.jit(jax.shard_map(ops[name], mesh=mesh, in_specs=spec, out_specs=spec))
-      seconds = _median_seconds(lambda run=run: run(payload), args.repeats)
+      seconds = median_seconds(lambda run=run: run(payload), args.repeats)
       rows.append({"collective": name, "dtype": jnp.dtype(dtype).name, "ms": 1e3 * seconds,
                    "note": "int8 widened to int32 for the sum" if name == "psum"
                            and dtype == jnp.int8 else ""})

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import sys
-import time
 from collections.abc import Sequence
+
+from benchmarks.common import host_local_mesh, median_seconds
 
 PAIRS = (
     ("dense", "fp32"), ("dense", "bf16"),
@@ -74,20 +74,13 @@ def _allreduce(strategy: str, name: str, hosts: int):
 
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from jaxcomm import distributed
-  launched = distributed.initialize_from_env()
+  mesh, launched = host_local_mesh(args.hosts, args.local)
   import jax
-  if not launched:
-    jax.config.update("jax_num_cpu_devices", args.hosts * args.local)
   import jax.numpy as jnp
-  import numpy as np
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
   import jaxcomm
-  mesh = jaxcomm.make_mesh() if launched else jaxcomm.make_mesh(hosts=args.hosts,
-                                                                local=args.local)
   hosts, local = mesh.shape["host"], mesh.shape["local"]
   axes = ("host", "local")
   params = {"w": jnp.zeros((args.elements,), jnp.float32)}
@@ -109,15 +102,10 @@ def main(argv: Sequence[str] | None = None) -> int:
       return update["w"], s
 
     report = jaxcomm.accounting.measure(step, grads, state, mesh=mesh)
-    jax.block_until_ready(step(grads, state))
-    times = []
-    for _ in range(args.repeats):
-      start = time.perf_counter()
-      jax.block_until_ready(step(grads, state))
-      times.append(time.perf_counter() - start)
+    seconds = median_seconds(lambda step=step, state=state: step(grads, state), args.repeats)
     link = report.link_bytes(("host", "local"))
     modeled = {key: jaxcomm.predict(report, value).total for key, value in links.items()}
-    rows.append((strategy, name, link["host"], link["local"], 1e3 * float(np.median(times)),
+    rows.append((strategy, name, link["host"], link["local"], 1e3 * seconds,
                  *(1e3 * v for v in modeled.values())))
   if jax.process_index() == 0:
     where = ("processes (gloo)" if launched else "simulated devices")
