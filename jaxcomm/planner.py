@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm import costmodel
+from jaxcomm.collectives.strategies import choose_strategy
 from jaxcomm.compress.base import Compressor, check_float
 from jaxcomm.compress.policy import CompressionPolicy, path_string, policy
 from jaxcomm.compress.quantize import quantize
@@ -85,18 +86,10 @@ class Plan(NamedTuple):
     return "\n".join(lines)
 
 
-def _strategy(compressor: Compressor | None, hosts: int) -> str:
-  if compressor is None:
-    return "dense"
-  if compressor.linear:
-    return "linear"
-  return "two_phase" if hosts > 2 and compressor.init((1,), jnp.float32) == () else "gather"
-
-
 def _slow_cost(compressor: Compressor | None, shard: int, hosts: int, slow: Link,
                dtype) -> tuple[float, float]:
   """Modeled (bytes per device, seconds) of one shard's exchange over the slow axis."""
-  strategy = _strategy(compressor, hosts)
+  strategy = choose_strategy(None, compressor, hosts)
   if strategy == "dense":
     nbytes = shard * np.dtype(dtype).itemsize
     return 2 * (hosts - 1) / hosts * nbytes, costmodel.all_reduce_time(nbytes, hosts, slow)
@@ -172,7 +165,7 @@ def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
         continue
       error = _relative_error(candidate, leaf, key)
       if error <= max_error:
-        best = LeafPlan(name, tuple(leaf.shape), candidate, _strategy(candidate, hosts),
+        best = LeafPlan(name, tuple(leaf.shape), candidate, choose_strategy(None, candidate, hosts),
                         nbytes, seconds, error)
     decisions.append(best)
     rules.append((f"^{re.escape(name)}$", best.compressor))

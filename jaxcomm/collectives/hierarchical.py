@@ -70,8 +70,7 @@ def level(axis: str, compressor: Compressor | None = None, *, strategy: str | No
   if gather is not None and gather not in strategies.GATHERS:
     raise ValueError(f"gather must be one of {', '.join(strategies.GATHERS)} or None; got "
                      f"{gather!r}.")
-  stateless = compressor is None or compressor.init((1,), jnp.float32) == ()
-  strategies.check_strategy(strategy, compressor, stateless=stateless)
+  strategies.check_strategy(strategy, compressor)
   return Level(axis, compressor, strategy, feedback, dtype, gather)
 
 
@@ -87,17 +86,13 @@ def check_levels(levels: Sequence[Level]) -> tuple[Level, ...]:
   return levels
 
 
-def _stateless(compressor: Compressor) -> bool:
-  return compressor.init((1,), jnp.float32) == ()
-
-
 def _resolved(lv: Level) -> str:
-  size = jax.lax.axis_size(lv.axis)
-  stateless = lv.compressor is None or _stateless(lv.compressor)
-  return strategies.choose_strategy(lv.strategy, lv.compressor, size, stateless=stateless)
+  return strategies.choose_strategy(lv.strategy, lv.compressor, jax.lax.axis_size(lv.axis))
 
 
 def _wire_compressor(lv: Level) -> Compressor:
+  """The level's compressor as the gather and linear strategies run it: with error feedback
+  when the level keeps it."""
   return error_feedback(lv.compressor) if lv.feedback else lv.compressor
 
 
@@ -146,8 +141,7 @@ def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
       state = (strategies.two_phase_init(length, jax.lax.axis_size(lv.axis))
                if lv.feedback else ())
     else:
-      state = _wire_compressor(lv).init((length,), dtype) if lv.feedback else \
-          lv.compressor.init((length,), dtype)
+      state = _wire_compressor(lv).init((length,), dtype)
     varying = _distinct_axes(levels, index)
     states.append(jax.tree.map(lambda leaf: _device_local(leaf, varying), state))
   return tuple(states)
@@ -182,7 +176,7 @@ def _exchange(lv: Level, strategy: str, shard: jax.Array, state, key: jax.Array)
     total, state = strategies.two_phase_sum(shard, lv.compressor, state or None, key, lv.axis,
                                             lv.gather)
     return total, () if state is None else state
-  compressor = _wire_compressor(lv) if lv.feedback else lv.compressor
+  compressor = _wire_compressor(lv)
   if strategy == "linear":
     return strategies.linear_sum(shard, compressor, state, key, lv.axis)
   return strategies.gather_sum(shard, compressor, state, key, lv.axis, lv.gather)

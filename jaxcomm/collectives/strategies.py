@@ -43,14 +43,19 @@ class TwoPhaseState(NamedTuple):
   server_residual: jax.Array
 
 
-def check_strategy(strategy: str | None, compressor: Compressor | None, *, stateless: bool) -> None:
+def stateless(compressor: Compressor | None) -> bool:
+  """Whether ``compressor`` keeps no state between calls (``init`` returns ``()``)."""
+  return compressor is None or compressor.init((1,), jnp.float32) == ()
+
+
+def check_strategy(strategy: str | None, compressor: Compressor | None) -> None:
   """Raises at construction when ``strategy`` is unknown or cannot carry ``compressor``.
 
   Args:
     strategy: a name from :data:`STRATEGIES`, or ``None`` to choose automatically.
     compressor: the compressor before any error-feedback wrapping (``None``: full precision).
-    stateless: whether ``compressor.init`` returns ``()`` (two-phase encodes chunks
-      independently and keeps only its own residuals).
+      Two-phase needs a :func:`stateless` one: it encodes chunks independently and keeps only
+      its own residuals.
   """
   if strategy is None:
     return
@@ -63,13 +68,13 @@ def check_strategy(strategy: str | None, compressor: Compressor | None, *, state
   if strategy == "linear" and not compressor.linear:
     raise ValueError(f"strategy='linear' needs a linear compressor (summable payloads); "
                      f"{name} is not linear: use 'gather' or 'two_phase'.")
-  if strategy == "two_phase" and not stateless:
+  if strategy == "two_phase" and not stateless(compressor):
     raise ValueError(f"strategy='two_phase' needs a stateless compressor; {name} keeps state "
                      "between calls: use 'gather'.")
 
 
-def choose_strategy(strategy: str | None, compressor: Compressor | None, axis_size: int,
-                    *, stateless: bool) -> str:
+def choose_strategy(strategy: str | None, compressor: Compressor | None,
+                    axis_size: int) -> str:
   """The strategy to run: the requested one, else dense / linear / two-phase / gather.
 
   Automatic choice: full precision is ``dense``; a linear compressor is ``linear``; otherwise
@@ -82,7 +87,7 @@ def choose_strategy(strategy: str | None, compressor: Compressor | None, axis_si
     return "dense"
   if compressor.linear:
     return "linear"
-  return "two_phase" if axis_size > 2 and stateless else "gather"
+  return "two_phase" if axis_size > 2 and stateless(compressor) else "gather"
 
 
 def dense_sum(shard: jax.Array, axis: str, dtype: Any = None) -> jax.Array:
@@ -107,11 +112,7 @@ def linear_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, 
 
 def _to_words(leaf: jax.Array) -> jax.Array:
   """The leaf's bytes as int32 words (zero-padded to a multiple of 4 bytes), shape ``(w,)``."""
-  raw = leaf.reshape(-1)
-  if raw.dtype.itemsize > 1:
-    raw = jax.lax.bitcast_convert_type(raw, jnp.uint8).reshape(-1)
-  else:
-    raw = jax.lax.bitcast_convert_type(raw, jnp.uint8)
+  raw = jax.lax.bitcast_convert_type(leaf.reshape(-1), jnp.uint8).reshape(-1)
   raw = jnp.pad(raw, (0, (-raw.shape[0]) % 4)).reshape(-1, 4)
   return jax.lax.bitcast_convert_type(raw, jnp.int32)
 
