@@ -11,6 +11,7 @@ import optax
 
 from jaxcomm.collectives.axes import require_axes
 from jaxcomm.compress.base import check_float, check_int_range
+from jaxcomm.optim.nonfinite import any_nonfinite, has_nonfinite
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -83,14 +84,10 @@ def dynamic_loss_scale(allreduce: optax.GradientTransformation,
 
   def update(scaled_grads, state: DynamicLossScaleState, params=None):
     require_axes(axes, "dynamic_loss_scale.update")
-    local_bad = jnp.zeros((), jnp.int32)
-    for leaf in jax.tree.leaves(scaled_grads):
-      local_bad = jnp.maximum(local_bad, jnp.any(~jnp.isfinite(leaf)).astype(jnp.int32))
+    any_device_bad = any_nonfinite(jax.tree.leaves(scaled_grads), axes)
     mean, allreduce_state = allreduce.update(scaled_grads, state.allreduce, params)
-    mean_bad = jnp.zeros((), jnp.int32)
-    for leaf in jax.tree.leaves(mean):
-      mean_bad = jnp.maximum(mean_bad, jnp.any(~jnp.isfinite(leaf)).astype(jnp.int32))
-    skip = jnp.maximum(jax.lax.pmax(local_bad, axes), mean_bad) > 0
+    # The mean is identical on every device, so its own check needs no agreement.
+    skip = any_device_bad | has_nonfinite(jax.tree.leaves(mean))
     unscaled = jax.tree.map(
         lambda g: jnp.where(skip, 0.0, g.astype(jnp.float32) / state.scale).astype(g.dtype), mean)
     updates, optimizer_state = optimizer.update(unscaled, state.optimizer, params)

@@ -12,12 +12,16 @@ import optax
 from jaxcomm.collectives.axes import require_axes
 
 
-def any_nonfinite(leaves: Sequence[jax.Array], axes: Sequence[str]) -> jax.Array:
-  """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
+def has_nonfinite(leaves: Sequence[jax.Array]) -> jax.Array:
+  """Bool scalar: some leaf holds a NaN or Inf (on this device; no communication)."""
   if not leaves:
     return jnp.zeros((), jnp.bool_)
-  local = jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
-  return jax.lax.pmax(local.astype(jnp.int32), tuple(axes)) > 0
+  return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
+
+
+def any_nonfinite(leaves: Sequence[jax.Array], axes: Sequence[str]) -> jax.Array:
+  """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
+  return jax.lax.pmax(has_nonfinite(leaves).astype(jnp.int32), tuple(axes)) > 0
 
 
 class SkipNonFiniteState(NamedTuple):
