@@ -51,25 +51,32 @@ def loss_vs_bytes(rows: list[dict], path: str, title: str) -> None:
   plt.close(figure)
 
 
-def step_time_vs_bandwidth(rows: list[dict], path: str, title: str) -> None:
-  """Modeled step time against inter-host bandwidth; the presets marked as vertical lines."""
+def _bandwidth_plot(curves: dict[str, list[float]], path: str, title: str, ylabel: str) -> None:
+  """Log-log curves of ms against :data:`BANDWIDTHS`, the cluster presets marked."""
   figure, axes = plt.subplots(figsize=(9, 5.5))
-  for index, row in enumerate(rows):
-    times = [1e3 * modeled_seconds(row["median_step_s"], row["report"],
-                                   links.Link("sweep", bandwidth, SWEEP_LATENCY_S))
-             for bandwidth in BANDWIDTHS]
-    axes.plot(BANDWIDTHS / 1e9, times, label=row["method"], linewidth=1.4, **_style(index))
+  for index, (label, times) in enumerate(curves.items()):
+    axes.plot(BANDWIDTHS / 1e9, times, label=label, linewidth=1.4, **_style(index))
   _mark_presets(axes)
   axes.set_xscale("log")
   axes.set_yscale("log")
   axes.set_xlabel(f"inter-host bandwidth per device, GB/s (latency {SWEEP_LATENCY_S * 1e6:g} us)")
-  axes.set_ylabel("modeled step time, ms")
+  axes.set_ylabel(ylabel)
   axes.set_title(title)
   axes.grid(True, which="both", alpha=0.3)
   axes.legend(fontsize=8, ncol=2)
   figure.tight_layout()
   figure.savefig(path, dpi=110)
   plt.close(figure)
+
+
+def step_time_vs_bandwidth(rows: list[dict], path: str, title: str) -> None:
+  """Modeled step time against inter-host bandwidth; the presets marked as vertical lines."""
+  curves = {row["method"]: [1e3 * modeled_seconds(row["median_step_s"], row["report"],
+                                                  links.Link("sweep", bandwidth, SWEEP_LATENCY_S),
+                                                  row.get("comm_every", 1))
+                            for bandwidth in BANDWIDTHS]
+            for row in rows}
+  _bandwidth_plot(curves, path, title, "modeled step time, ms")
 
 
 def _mark_presets(axes) -> None:
@@ -82,20 +89,7 @@ def _mark_presets(axes) -> None:
 
 def projection_vs_bandwidth(curves: dict[str, list[float]], path: str, title: str) -> None:
   """``curves[method]``: modeled allreduce ms at each of :data:`BANDWIDTHS`."""
-  figure, axes = plt.subplots(figsize=(9, 5.5))
-  for index, (method, times) in enumerate(curves.items()):
-    axes.plot(BANDWIDTHS / 1e9, times, label=method, linewidth=1.4, **_style(index))
-  _mark_presets(axes)
-  axes.set_xscale("log")
-  axes.set_yscale("log")
-  axes.set_xlabel(f"inter-host bandwidth per device, GB/s (latency {SWEEP_LATENCY_S * 1e6:g} us)")
-  axes.set_ylabel("modeled gradient allreduce per step, ms")
-  axes.set_title(title)
-  axes.grid(True, which="both", alpha=0.3)
-  axes.legend(fontsize=8, ncol=2)
-  figure.tight_layout()
-  figure.savefig(path, dpi=110)
-  plt.close(figure)
+  _bandwidth_plot(curves, path, title, "modeled gradient allreduce per step, ms")
 
 
 def write_plots(out: str, rows: list[dict], descriptions: dict[str, str]) -> list[str]:
