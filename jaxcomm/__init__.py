@@ -20,10 +20,10 @@ from jaxcomm.parallel import (dense_attention, from_layout, gather_sequence, hyb
 from jaxcomm.planner import Plan, plan
 from jaxcomm.optim import (CompressedAllReduceState, accumulate_gradients, compressed_allreduce,
                            consensus_distance, data_parallel_step, device_mean, dgc, diloco,
-                           dynamic_loss_scale, fedavg, fedprox, gossip, local_sgd,
-                           local_training_step, onebit_adam, skip_nonfinite, slowmo, staleness, to_device_local,
-                           local_grad, local_value_and_grad, powersgd_allreduce, sharded_init,
-                           state_specs)
+                           dynamic_loss_scale, fedavg, fedprox, gossip, local_grad, local_sgd,
+                           local_training_step, local_value_and_grad, onebit_adam,
+                           powersgd_allreduce, sharded_init, skip_nonfinite, slowmo, staleness,
+                           state_specs, to_device_local, zero_one_adam)
 from jaxcomm.topology import make_mesh
 
 __version__ = "0.1.0"
@@ -45,4 +45,5 @@ __all__ = [
     "shard_positions", "sharded_init", "shared_quantize", "sign", "sign_vote", "slowmo",
     "split_sequence", "staleness", "state_specs", "step_time", "sum_payloads", "terngrad",
     "threshold", "tile_counts", "to_device_local", "to_layout", "topk", "ulysses_attention",
+    "zero_one_adam",
 ]

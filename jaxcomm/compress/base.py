@@ -184,6 +184,14 @@ def check_float(name: str, value: float, *, minimum: float = 0.0, inclusive: boo
   return value
 
 
+def check_unit_interval(name: str, value: float) -> float:
+  """Validates a float in ``[0, 1)``: a decay rate, a momentum, a mixing weight."""
+  value = check_float(name, value, minimum=0.0, inclusive=True)
+  if value >= 1.0:
+    raise ValueError(f"{name} must be in [0, 1), got {value}.")
+  return value
+
+
 def check_bool(name: str, value: Any) -> bool:
   """Validates a bool flag at construction time."""
   if not isinstance(value, bool):

@@ -19,6 +19,7 @@ from jaxcomm.optim.sharding import sharded_init, state_specs
 from jaxcomm.optim.slowmo import SlowMomentumState, slow_momentum, slowmo
 from jaxcomm.optim.staleness import StalenessState, staleness
 from jaxcomm.optim.train_step import data_parallel_step
+from jaxcomm.optim.zero_one_adam import ZeroOneAdamState, zero_one_adam
 
 __all__ = [
     "SkipNonFiniteState", "skip_nonfinite",
@@ -30,4 +31,5 @@ __all__ = [
     "dynamic_loss_scale", "fedavg", "fedprox", "gossip", "local_grad", "local_sgd",
     "local_training_step", "local_value_and_grad", "periodic_averaging", "powersgd_allreduce",
     "sharded_init", "slow_momentum", "slowmo", "staleness", "state_specs", "to_device_local",
+    "ZeroOneAdamState", "zero_one_adam",
 ]

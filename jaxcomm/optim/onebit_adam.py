@@ -10,7 +10,7 @@ import optax
 
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
-from jaxcomm.compress.base import check_float, check_float_tree, check_int_range
+from jaxcomm.compress.base import check_float, check_float_tree, check_int_range, check_unit_interval
 from jaxcomm.compress.sign import sign
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
@@ -29,6 +29,23 @@ class OneBitAdamState(NamedTuple):
   mu: Any
   nu: Any
   residuals: tuple
+
+
+def onebit_levels(fast_axis: str, slow_axis: str) -> tuple:
+  """Full precision over ``fast_axis``, 1-bit scaled sign over ``slow_axis`` (two-phase)."""
+  if fast_axis == slow_axis:
+    raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
+  return level(fast_axis), level(slow_axis, sign(), strategy="two_phase")
+
+
+def allreduce_leaves(leaves, states, levels, key):
+  """The mean of every leaf over ``levels``, each with its own state and folded key."""
+  outputs, new_states = [], []
+  for index, (leaf, state) in enumerate(zip(leaves, states)):
+    out, state = hierarchical_allreduce(leaf, levels, state, jax.random.fold_in(key, index))
+    outputs.append(out)
+    new_states.append(state)
+  return outputs, tuple(new_states)
 
 
 def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
@@ -73,15 +90,10 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
   """
   learning_rate = check_float("learning_rate", learning_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 1)
-  for name, value in (("b1", b1), ("b2", b2)):
-    check_float(name, value, inclusive=True)
-    if value >= 1.0:
-      raise ValueError(f"{name} must be in [0, 1), got {value}.")
+  b1, b2 = check_unit_interval("b1", b1), check_unit_interval("b2", b2)
   eps = check_float("eps", eps, inclusive=True)
-  if fast_axis == slow_axis:
-    raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
+  compressed_levels = onebit_levels(fast_axis, slow_axis)
   dense_levels = (level(fast_axis), level(slow_axis))
-  onebit_levels = (level(fast_axis), level(slow_axis, sign(), strategy="two_phase"))
   axes = (fast_axis, slow_axis)
 
   def init(params) -> OneBitAdamState:
@@ -90,16 +102,8 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
     return OneBitAdamState(
         count=jnp.zeros((), jnp.int32), mu=zeros, nu=zeros,
-        residuals=tuple(init_states(onebit_levels, leaf.size, jnp.float32)
+        residuals=tuple(init_states(compressed_levels, leaf.size, jnp.float32)
                         for leaf in jax.tree.leaves(params)))
-
-  def mean(leaves, residuals, levels, key):
-    outputs, states = [], []
-    for index, (leaf, state) in enumerate(zip(leaves, residuals)):
-      out, state = hierarchical_allreduce(leaf, levels, state, jax.random.fold_in(key, index))
-      outputs.append(out)
-      states.append(state)
-    return outputs, tuple(states)
 
   def update(grads, state: OneBitAdamState, params=None):
     del params
@@ -112,7 +116,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
 
     def warmup(operands):
       residuals = operands
-      averaged, _ = mean(leaves, [((), ())] * len(leaves), dense_levels, key)
+      averaged, _ = allreduce_leaves(leaves, [((), ())] * len(leaves), dense_levels, key)
       new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)]
       new_nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)]
       return new_mu, new_nu, residuals
@@ -120,7 +124,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     def compressed(operands):
       residuals = operands
       local_momentum = [b1 * m + (1 - b1) * g for m, g in zip(mu, leaves)]
-      new_mu, residuals = mean(local_momentum, residuals, onebit_levels, key)
+      new_mu, residuals = allreduce_leaves(local_momentum, residuals, compressed_levels, key)
       return new_mu, list(nu), residuals
 
     new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup, compressed,

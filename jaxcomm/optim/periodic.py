@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range
+from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.optim.local_training import device_count, manual_axes, vary
 
@@ -74,9 +74,7 @@ def check_period(period: int, fragments: int, delay: int, mixing: float, warmup:
     raise ValueError(f"period must be a multiple of fragments, got period={period}, "
                      f"fragments={fragments}.")
   check_int_range("delay", delay, 0, period // fragments - 1)
-  mixing = check_float("mixing", mixing, minimum=0.0, inclusive=True)
-  if mixing >= 1.0:
-    raise ValueError(f"mixing must be in [0, 1), got {mixing}.")
+  mixing = check_unit_interval("mixing", mixing)
   check_int_range("warmup_steps", warmup, 0)
   if warmup and fragments > 1:
     raise ValueError(f"warmup_steps={warmup} needs fragments=1, got fragments={fragments}.")

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range
+from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
 from jaxcomm.optim.periodic import periodic_averaging
 
 
@@ -89,9 +89,7 @@ def slowmo(inner: optax.GradientTransformation, period: int,
     with Slow Momentum", ICLR 2020.
   """
   check_int_range("period", period, 1)
-  beta = check_float("beta", beta, minimum=0.0, inclusive=True)
-  if beta >= 1.0:
-    raise ValueError(f"beta must be in [0, 1), got {beta}.")
+  beta = check_unit_interval("beta", beta)
   alpha = check_float("alpha", alpha)
   return periodic_averaging(inner, slow_momentum(base_learning_rate, beta, alpha, period),
                             period, sync=sync)

@@ -1,0 +1,254 @@
+"""0/1 Adam (Lu et al. 2023): adaptive variance freezing and skipped synchronization rounds.
+
+1-bit Adam needs a dense warm-up and then communicates 1-bit momentum every step. 0/1 Adam
+removes both costs. Before ``var_freeze_step`` the variance is updated only on an
+exponentially thinning set of steps ``T_v`` (the gradient is averaged at full precision on
+those steps and by 1-bit elsewhere); after it the variance is frozen, each device takes
+local Adam steps with its own momentum, and the devices synchronize only on a thinning set
+of steps ``T_u`` (gaps 1, 2, 4, ... up to ``local_step_clipper``), averaging the momentum
+accumulated since the last synchronization with the 1-bit collective.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomm.collectives.axes import require_axes, require_varying, vma_checked
+from jaxcomm.collectives.hierarchical import init_states, level
+from jaxcomm.compress.base import (check_float, check_float_tree, check_int_range,
+                                   check_unit_interval)
+from jaxcomm.optim.local_training import vary
+from jaxcomm.optim.onebit_adam import allreduce_leaves, onebit_levels
+from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+
+# Branches of one step, in the order of the ``lax.switch``.
+VARIANCE, ONEBIT, LOCAL, SYNC = range(4)
+MAX_DOUBLINGS = 30  # 2**30 steps: intervals never grow further (and int32 never overflows)
+
+
+class ZeroOneAdamState(NamedTuple):
+  """State of :func:`zero_one_adam`.
+
+  Attributes:
+    count: int32 steps taken.
+    mu: first moment, float32, device-local: equal on every device until the variance
+      freezes, this device's own between synchronizations afterwards.
+    nu: second moment, float32, replicated; frozen after ``var_freeze_step``.
+    anchor: float32 parameters at the last synchronization, device-local (equal on every
+      device).
+    weight_sum: float32 sum of the local steps' weights ``lr_t / (1 - b1^t)`` since the last
+      synchronization.
+    local_steps: int32 local steps since the last synchronization.
+    var_updates: int32 variance updates so far (the variance's bias correction).
+    next_var_step: int32 1-based step of the next variance update.
+    rounds: int32 steps that communicated (dense or 1-bit): ``count - rounds`` were skipped.
+    residuals: per leaf, the two-phase worker and server residuals over the slow axis.
+  """
+  count: jax.Array
+  mu: Any
+  nu: Any
+  anchor: Any
+  weight_sum: jax.Array
+  local_steps: jax.Array
+  var_updates: jax.Array
+  next_var_step: jax.Array
+  rounds: jax.Array
+  residuals: tuple
+
+
+def _doubling(steps: jax.Array, every: int) -> jax.Array:
+  """``2 ** (steps // every)``, capped at ``2 ** MAX_DOUBLINGS``."""
+  exponent = jnp.clip(steps // every, 0, MAX_DOUBLINGS)
+  return jnp.left_shift(jnp.ones_like(exponent), exponent)
+
+
+def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int,
+                  var_update_scaler: int = 16, local_step_scaler: int = 32768,
+                  local_step_clipper: int = 16, b1: float = 0.9, b2: float = 0.999,
+                  eps: float = 1e-8, fast_axis: str = LOCAL_AXIS,
+                  slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
+  """0/1 Adam over a ``(slow, fast)`` mesh for device-local parameters.
+
+  Step ``t`` (1-based) is one of four kinds; all devices agree on the kind (it depends on
+  replicated counters only) and only that kind's collectives run (``lax.switch``):
+
+  * variance step (``t <= var_freeze_step`` and ``t`` in ``T_v``): the gradient is averaged
+    at full precision, ``m = b1 m + (1 - b1) g``, ``v = b2 v + (1 - b2) g^2``. ``T_v`` starts
+    with every step; after each ``var_update_scaler`` variance updates (the paper's kappa)
+    the gap between them doubles: ``T_v = {1, ..., k, k+2, k+4, ..., 3k, 3k+4, ...}``.
+  * 1-bit step (``t <= var_freeze_step``, not in ``T_v``): the gradient is averaged by
+    1-bit, ``m = b1 m + (1 - b1) g``; ``v`` is unchanged.
+
+    Both update the parameters as Adam does, ``theta -= w_t m / (sqrt(v_hat) + eps)``, with
+    ``w_t = lr_t / (1 - b1^t)`` and ``v_hat = v / (1 - b2^k)`` after ``k`` variance updates.
+  * local step (``t > var_freeze_step``): no communication; each device updates its own
+    momentum with its own gradient and takes the same Adam step on its own parameters.
+  * synchronization (``t > var_freeze_step`` and ``t`` in ``T_u``): a local step, then the
+    devices average their accumulated momenta ``u_i = (anchor - theta_i) (sqrt(v_hat) +
+    eps) = sum_s w_s m_i,s`` by 1-bit; every device sets ``theta = anchor - mean(u) /
+    (sqrt(v_hat) + eps)`` (the anchor, the same on all of them) and ``m = mean(u) / sum_s
+    w_s``. The gap between synchronizations starts at 1 and doubles every
+    ``local_step_scaler`` steps after the freeze, up to ``local_step_clipper`` (the paper's
+    ``H``). The 1-bit residuals restart from zero at the freeze: they held gradients, now
+    they hold accumulated momenta (as DeepSpeed does).
+
+  1-bit averaging is full precision over ``fast_axis`` and scaled sign over ``slow_axis``
+  with the two-phase collective and worker and server error feedback. Coordinates whose
+  variance is still 0 (no gradient on any variance step) are not updated, as in
+  :func:`jaxcomm.onebit_adam`.
+
+  With ``var_update_scaler >= var_freeze_step`` every step before the freeze is a variance
+  step: Adam on the mean gradient (tested equal to ``optax.adam``). With
+  ``local_step_clipper=1`` every step after it synchronizes: 1-bit Adam after its warm-up
+  (tested equal to :func:`jaxcomm.onebit_adam` once ``b1^t`` is negligible, since 0/1 Adam
+  compresses ``w_t m`` where 1-bit Adam compresses ``m``).
+
+  Bytes per device and step, for a leaf of ``D`` bytes (``d`` elements), ``G`` devices per
+  host and ``H`` hosts: ``2 (G-1)/G D`` over the fast axis and ``2 (H-1)/H D/G`` over the
+  slow axis on a variance step; ``2 (G-1)/G D`` and about ``2 (ceil(d/G)/8 + 4 H)`` on a
+  1-bit step or a synchronization; nothing on a local step. ``state.rounds`` counts the
+  steps that communicated.
+
+  Args:
+    learning_rate: a float or an optax schedule of the 0-based step.
+    var_freeze_step: the last step that may update the variance, ``>= 1``.
+    var_update_scaler: variance updates between doublings of their gap, ``>= 1``.
+    local_step_scaler: steps after the freeze between doublings of the synchronization gap,
+      ``>= 1``.
+    local_step_clipper: the largest synchronization gap ``H``, ``>= 1``.
+    b1: first-moment decay, in [0, 1).
+    b2: second-moment decay, in [0, 1).
+    eps: added to the root of the variance, ``>= 0``.
+    fast_axis: intra-host mesh axis.
+    slow_axis: inter-host mesh axis.
+
+  Returns:
+    An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` takes this
+    device's gradients of its own parameters (:func:`jaxcomm.to_device_local`, stepped by
+    :func:`jaxcomm.local_training_step`) and returns each device's parameter update; create
+    its state with ``jaxcomm.sharded_init(tx, params, mesh, PartitionSpec(mesh.axis_names))``.
+    The parameters of all devices are equal after every step up to the freeze and, to the
+    rounding of ``p + (new - p)`` in ``optax.apply_updates``, after every synchronization
+    (the state's ``anchor`` holds the exact synchronized parameters; a device's rounding is
+    part of its next accumulated momentum, so it never grows).
+
+  References:
+    Lu, Li, He, Tang, Zhang, Wang, Gao, Zhang & Yang, "Maximizing Communication Efficiency
+    for Large-scale Training via 0/1 Adam", ICLR 2023.
+  """
+  schedule = learning_rate if callable(learning_rate) else \
+      (lambda count, lr=check_float("learning_rate", learning_rate): lr)
+  freeze = check_int_range("var_freeze_step", var_freeze_step, 1)
+  var_scaler = check_int_range("var_update_scaler", var_update_scaler, 1)
+  sync_scaler = check_int_range("local_step_scaler", local_step_scaler, 1)
+  clipper = check_int_range("local_step_clipper", local_step_clipper, 1)
+  b1, b2 = check_unit_interval("b1", b1), check_unit_interval("b2", b2)
+  eps = check_float("eps", eps, inclusive=True)
+  compressed_levels = onebit_levels(fast_axis, slow_axis)
+  dense_levels = (level(fast_axis), level(slow_axis))
+  axes = (fast_axis, slow_axis)
+
+  def init(params) -> ZeroOneAdamState:
+    require_axes(axes, "zero_one_adam.init")
+    check_float_tree(params, "params")
+    if vma_checked(axes):
+      for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+        replicated = [axis for axis in axes if axis not in jax.typeof(leaf).mat.varying]
+        if replicated:
+          raise ValueError(
+              f"zero_one_adam needs device-local parameters: params"
+              f"{jax.tree_util.keystr(path)} is replicated over mesh axis {replicated[0]!r}. "
+              "Give every device its own copy with jaxcomm.to_device_local and step it with "
+              "jaxcomm.local_training_step.")
+    as_float = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    zeros = jax.tree.map(jnp.zeros_like, as_float)
+    int_zero = jnp.zeros((), jnp.int32)
+    return ZeroOneAdamState(
+        count=int_zero, mu=zeros, nu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
+                                                  params),
+        anchor=as_float, weight_sum=jnp.zeros((), jnp.float32), local_steps=int_zero,
+        var_updates=int_zero, next_var_step=int_zero + 1, rounds=int_zero,
+        residuals=tuple(init_states(compressed_levels, leaf.size, jnp.float32)
+                        for leaf in jax.tree.leaves(params)))
+
+  def update(grads, state: ZeroOneAdamState, params=None):
+    if params is None:
+      raise ValueError("zero_one_adam needs params in update(grads, state, params).")
+    require_axes(axes, "zero_one_adam.update")
+    require_varying(grads, axes, "zero_one_adam.update")
+    grad_leaves, treedef = jax.tree.flatten(
+        jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+    local = [p.astype(jnp.float32) for p in treedef.flatten_up_to(params)]
+    mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
+    anchor = treedef.flatten_up_to(state.anchor)
+    t = state.count + 1
+    weight = schedule(state.count) / (1 - b1 ** t.astype(jnp.float32))
+    key = jax.random.fold_in(jax.random.PRNGKey(0), state.count)
+    var_updates = state.var_updates + ((t <= freeze) & (t == state.next_var_step))
+
+    def denominators(variances, updates):
+      correction = 1 - b2 ** jnp.maximum(updates, 1).astype(jnp.float32)
+      return [jnp.sqrt(v / correction) + eps for v in variances]
+
+    def adam_step(params_, momenta, variances):
+      """``params - w_t m / (sqrt(v_hat) + eps)``, zero where the variance is 0."""
+      return [jnp.where(v > 0, p - weight * m / d, p) for p, m, v, d in
+              zip(params_, momenta, variances, denominators(variances, var_updates))]
+
+    def synchronous(new_mu, new_nu, residuals):
+      """Steps before the freeze: every device applies the same update to the anchor."""
+      new_mu = [vary(m, axes) for m in new_mu]
+      new_anchor = adam_step(anchor, new_mu, new_nu)
+      return new_anchor, new_mu, new_nu, new_anchor, jnp.zeros((), jnp.float32), residuals
+
+    def variance_step(residuals):
+      averaged, _ = allreduce_leaves(grad_leaves, [((), ())] * len(mu), dense_levels, key)
+      return synchronous([b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)],
+                         [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)], residuals)
+
+    def onebit_step(residuals):
+      averaged, residuals = allreduce_leaves(grad_leaves, residuals, compressed_levels, key)
+      return synchronous([b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)], nu, residuals)
+
+    def local_step(residuals):
+      new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, grad_leaves)]
+      return (adam_step(local, new_mu, nu), new_mu, nu, anchor, state.weight_sum + weight,
+              residuals)
+
+    def sync_step(residuals):
+      stepped, _, _, _, weight_sum, residuals = local_step(residuals)
+      residuals = jax.tree.map(lambda r: jnp.where(t == freeze + 1, jnp.zeros_like(r), r),
+                               residuals)
+      scales = denominators(nu, var_updates)
+      accumulated = [(a - p) * d for a, p, d in zip(anchor, stepped, scales)]
+      averaged, residuals = allreduce_leaves(accumulated, residuals, compressed_levels, key)
+      new_anchor = [vary(jnp.where(v > 0, a - u / d, a), axes)
+                    for a, u, v, d in zip(anchor, averaged, nu, scales)]
+      new_mu = [vary(u / weight_sum, axes) for u in averaged]
+      return new_anchor, new_mu, nu, new_anchor, jnp.zeros((), jnp.float32), residuals
+
+    frozen = t > freeze
+    gap = jnp.minimum(_doubling(t - freeze - 1, sync_scaler), clipper)
+    sync = frozen & (state.local_steps + 1 >= gap)
+    kind = jnp.where(frozen, jnp.where(sync, SYNC, LOCAL),
+                     jnp.where(var_updates > state.var_updates, VARIANCE, ONEBIT))
+    new_local, new_mu, new_nu, new_anchor, weight_sum, residuals = jax.lax.switch(
+        kind, [variance_step, onebit_step, local_step, sync_step], state.residuals)
+
+    var_step = var_updates > state.var_updates
+    next_var_step = jnp.where(var_step, t + _doubling(var_updates, var_scaler),
+                              state.next_var_step)
+    updates = [(new - old).astype(p.dtype) for new, old, p in
+               zip(new_local, local, treedef.flatten_up_to(params))]
+    return treedef.unflatten(updates), ZeroOneAdamState(
+        count=t, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu),
+        anchor=treedef.unflatten(new_anchor), weight_sum=weight_sum,
+        local_steps=jnp.where(frozen & ~sync, state.local_steps + 1, 0),
+        var_updates=var_updates, next_var_step=next_var_step,
+        rounds=state.rounds + (kind != LOCAL), residuals=residuals)
+
+  return optax.GradientTransformation(init, update)
