@@ -1,5 +1,7 @@
 """0/1 Adam: thinning variance updates, 1-bit gradients, then local steps and 1-bit syncs."""
 
+import functools
+
 import chex
 import jax
 import numpy as np
@@ -109,3 +111,33 @@ def test_bad_arguments_raise_at_construction_naming_parameter_and_value(kwargs, 
 def test_a_negative_learning_rate_is_refused():
   with pytest.raises(ValueError, match="learning_rate must be a finite float > 0, got -0.1"):
     zero_one_adam(-0.1, var_freeze_step=4)
+
+
+def test_skip_nonfinite_makes_a_poisoned_step_a_no_op_in_every_kind_of_step():
+  # var_update_scaler=1, freeze 3: t=1 variance, t=2 1-bit, t=3 variance; then with
+  # local_step_scaler=1, clipper 2: t=4 sync, t=5 local, t=6 sync.
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = jaxcomm.skip_nonfinite(zero_one_adam(0.1, var_freeze_step=3, var_update_scaler=1,
+                                            local_step_scaler=1, local_step_clipper=2), AXES)
+  params = jaxcomm.to_device_local({"w": np.ones((4, 16), np.float32)}, mesh)
+  state, specs = jaxcomm.sharded_init(tx, params, mesh, P(AXES))
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs, P(AXES)),
+                     out_specs=(P(AXES), specs))
+  def step(params, opt_state, grads):
+    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+  good = [{"w": jax.random.normal(jax.random.PRNGKey(t), (DEVICES, 4, 16))} for t in range(7)]
+  for poisoned_step in range(1, 7):
+    p, s = params, state
+    for t in range(1, poisoned_step):
+      p, s = step(p, s, good[t])
+    bad = {"w": good[poisoned_step]["w"].at[5, 1, 2].set(np.nan)}
+    after, skipped = step(p, s, bad)
+    chex.assert_trees_all_equal((after, skipped.inner), (p, s.inner))
+    assert int(skipped.skipped_steps) == 1
+    resumed, resumed_state = step(after, skipped, good[poisoned_step])
+    chex.assert_tree_all_finite((resumed, resumed_state))
+    assert int(resumed_state.inner.count) == poisoned_step
