@@ -19,14 +19,17 @@ collective-permute  result bytes               ``S`` times the share of devices 
 A collective that spans several axes is attributed to all of them as a tuple key, e.g.
 ``('host', 'local')``; :meth:`CommReport.link_bytes` charges it to the slowest axis it
 crosses, whose links carry the whole ring traffic. Counts are static: a collective inside a
-loop body is counted once per compiled occurrence, not once per iteration.
+loop body is counted once per compiled occurrence, not once per iteration, and one inside a
+``lax.cond``/``lax.switch`` branch once, whichever branch runs. Each collective records the
+branches it sits in (:attr:`Collective.branch`), so ``link_bytes(branch_weights=...)`` can
+weigh the branches of an outermost conditional by how often each one runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
 
 import jax
@@ -42,6 +45,11 @@ _ARRAY_TYPE = re.compile(r"\b(pred|[subf]\d+|bf16|f8e\w+)\[([\d,]*)\]")
 _EXPLICIT_GROUPS = re.compile(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}")
 _IOTA_GROUPS = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 _PAIRS = re.compile(r"source_target_pairs=\{((?:\{\d+,\d+\},?)*)\}")
+_COMPUTATION = re.compile(r"^(?P<entry>ENTRY\s+)?%(?P<name>[^\s(]+)\s*\(.*\{\s*$")
+_CONDITIONAL = re.compile(r"^\s*(?:ROOT\s+)?%(?P<name>\S+)\s*=.*\sconditional\(")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRUE_FALSE = re.compile(r"true_computation=%([^\s,]+),\s*false_computation=%([^\s,]+)")
+_CALLEES = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{?%([^\s,}]+)")
 _DTYPE_BYTES = {"pred": 1, "bf16": 2}
 
 
@@ -57,6 +65,10 @@ class Collective:
     result_bytes: bytes of its result on one device ``S``.
     bytes_per_device: bytes each device sends per execution (ring factors, module docstring).
     dtypes: element types of its result, as the HLO names them (``'f32'``, ``'u8'`` ...).
+    branch: the conditional branches it sits in, outermost first, as ``(conditional, index)``
+      pairs (the HLO instruction's name and the branch index: the ``lax.switch`` index, or
+      ``1`` for ``lax.cond``'s true branch and ``0`` for its false one); ``()`` when it runs
+      on every call.
   """
   kind: str
   axes: tuple[str, ...]
@@ -64,6 +76,7 @@ class Collective:
   result_bytes: int
   bytes_per_device: float
   dtypes: tuple[str, ...]
+  branch: tuple[tuple[str, int], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,9 +86,12 @@ class CommReport:
   Attributes:
     collectives: every collective found, in program order.
     mesh_axes: the mesh's axis names, in mesh order.
+    branch_counts: ``(name, branches)`` of every outermost conditional that holds
+      collectives.
   """
   collectives: tuple[Collective, ...]
   mesh_axes: tuple[str, ...]
+  branch_counts: tuple[tuple[str, int], ...] = ()
 
   def bytes_per_axes(self) -> dict[tuple[str, ...], float]:
     """Bytes each device sends per call, keyed by the tuple of axes a collective spans."""
@@ -84,7 +100,9 @@ class CommReport:
       totals[op.axes] = totals.get(op.axes, 0.0) + op.bytes_per_device
     return totals
 
-  def link_bytes(self, slowest_first: Sequence[str] | None = None) -> dict[str, float]:
+  def link_bytes(self, slowest_first: Sequence[str] | None = None,
+                 branch_weights: Mapping[str, Sequence[float]] | None = None
+                 ) -> dict[str, float]:
     """Bytes each device sends per call over each axis's links.
 
     A collective spanning several axes is charged to the slowest of them.
@@ -92,13 +110,33 @@ class CommReport:
     Args:
       slowest_first: axis names from slowest to fastest; defaults to the mesh order, which
         for :func:`jaxcomm.make_mesh` is ``('host', 'local')``.
+      branch_weights: for outermost conditionals (names from :meth:`conditionals`), the
+        fraction of calls that take each branch: a collective in branch ``b`` counts
+        ``weights[b]`` times. Collectives of other conditionals count once each.
+
+    Raises:
+      ValueError: a weighted conditional is unknown or its weights do not match its branches.
     """
     order = tuple(slowest_first or self.mesh_axes)
+    weights = dict(branch_weights or {})
+    known = self.conditionals()
+    for name, values in weights.items():
+      if name not in known or len(values) != known[name]:
+        raise ValueError(f"branch_weights[{name!r}] must give one weight for each of the "
+                         f"{known.get(name, 0)} branches of an outermost conditional with "
+                         f"collectives (known: {known}); got {list(values)}.")
     totals = {axis: 0.0 for axis in order}
     for op in self.collectives:
       slowest = min(op.axes, key=order.index)
-      totals[slowest] += op.bytes_per_device
+      weight = 1.0
+      if op.branch and op.branch[0][0] in weights:
+        weight = float(weights[op.branch[0][0]][op.branch[0][1]])
+      totals[slowest] += weight * op.bytes_per_device
     return totals
+
+  def conditionals(self) -> dict[str, int]:
+    """Outermost conditionals that hold collectives: HLO name -> number of branches."""
+    return dict(self.branch_counts)
 
   def count(self, kind: str | None = None) -> int:
     """Number of collectives, of one kind or of all kinds."""
@@ -165,6 +203,45 @@ def _bytes_per_device(kind: str, result_bytes: int, group_size: int) -> float:
   raise ValueError(f"unknown collective kind {kind!r}")
 
 
+def _branch_paths(lines: Sequence[str]) -> tuple[dict[str, tuple], dict[str, int]]:
+  """The conditional branches each computation runs in, and each conditional's branch count.
+
+  Returns:
+    ``(paths, branches)``: computation name -> ``((conditional, index), ...)`` outermost
+    first, for every computation reachable from the entry; conditional name -> branches.
+  """
+  callees: dict[str, list[tuple[str, tuple]]] = {}
+  branches: dict[str, int] = {}
+  entry, current = None, None
+  for line in lines:
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group("name")
+      callees[current] = []
+      entry = current if header.group("entry") else entry
+      continue
+    if current is None:
+      continue
+    conditional = _CONDITIONAL.match(line)
+    if conditional:
+      listed = _BRANCHES.search(line)
+      names = ([name.strip().lstrip("%") for name in listed.group(1).split(",")] if listed
+               else list(reversed(_TRUE_FALSE.search(line).groups())))  # [false, true]
+      branches[conditional.group("name")] = len(names)
+      callees[current].extend((name, ((conditional.group("name"), index),))
+                              for index, name in enumerate(names))
+    callees[current].extend((name, ()) for name in _CALLEES.findall(line))
+  paths: dict[str, tuple] = {}
+  stack = [(entry, ())] if entry else []
+  while stack:
+    name, path = stack.pop()
+    if name in paths:
+      continue
+    paths[name] = path
+    stack.extend((callee, path + branch) for callee, branch in callees.get(name, []))
+  return paths, branches
+
+
 def _parse_line(line: str, mesh: Mesh) -> Collective | None:
   match = _INSTRUCTION.match(line)
   if not match:
@@ -193,8 +270,20 @@ def _parse_line(line: str, mesh: Mesh) -> Collective | None:
 
 def report_from_hlo(hlo_text: str, mesh: Mesh) -> CommReport:
   """Parses the optimized HLO text of a compiled SPMD executable over ``mesh``."""
-  found = (_parse_line(line, mesh) for line in hlo_text.splitlines())
-  return CommReport(tuple(op for op in found if op is not None), tuple(mesh.axis_names))
+  lines = hlo_text.splitlines()
+  paths, branches = _branch_paths(lines)
+  found, current = [], None
+  for line in lines:
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header.group("name")
+      continue
+    op = _parse_line(line, mesh)
+    if op is not None:
+      found.append(dataclasses.replace(op, branch=paths.get(current, ())))
+  outermost = sorted({op.branch[0][0] for op in found if op.branch})
+  return CommReport(tuple(found), tuple(mesh.axis_names),
+                    tuple((name, branches[name]) for name in outermost))
 
 
 def measure(fn: Callable, *args, mesh: Mesh, **kwargs) -> CommReport:

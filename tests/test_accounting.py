@@ -96,3 +96,33 @@ def test_groups_that_match_no_axes_are_an_error():
           "to_apply=%add")
   with pytest.raises(ValueError, match="do not match"):
     accounting.report_from_hlo(line, mesh)
+
+
+def test_collectives_know_their_branch_and_branches_can_be_weighted():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), P()), out_specs=P(),
+                     check_vma=False)  # branches psum over different axes
+  def step(x, index):
+    host = lambda y: jax.lax.psum(y, "host")  # 2 (2-1)/2 * 64 = 64 bytes
+    local = lambda y: jax.lax.psum(y, "local")  # 2 (4-1)/4 * 64 = 96 bytes
+    nested = lambda y: jax.lax.cond(jnp.sum(y) > 0, local, lambda z: 3 * local(z), host(y))
+    y = jax.lax.switch(index, [host, lambda y: 2 * y, nested], x)
+    return jax.lax.psum(y, AXES)  # unconditional: 2 (8-1)/8 * 64 = 112 bytes
+
+  report = accounting.measure(step, jnp.ones((8, 16)), 0, mesh=mesh)
+  (switch, branches), = report.conditionals().items()
+  assert branches == 3
+  where = sorted((op.axes, tuple(index for _, index in op.branch)) for op in report.collectives)
+  # lax.cond's false branch is index 0, its true branch index 1
+  assert where == [(("host",), (0,)), (("host",), (2,)), (("host", "local"), ()),
+                   (("local",), (2, 0)), (("local",), (2, 1))]
+  assert report.link_bytes() == {"host": 64 + 64 + 112, "local": 96 + 96}
+  # branch 0 on 1/4 of the calls, branch 2 on 1/2, branch 1 (no collectives) on the rest
+  weighted = report.link_bytes(branch_weights={switch: [0.25, 0.25, 0.5]})
+  assert weighted == {"host": 0.25 * 64 + 0.5 * 64 + 112, "local": 0.5 * (96 + 96)}
+  with pytest.raises(ValueError, match="one weight for each of the 3 branches"):
+    report.link_bytes(branch_weights={switch: [1.0, 0.0]})
+  with pytest.raises(ValueError, match="branch_weights\\['nope'\\]"):
+    report.link_bytes(branch_weights={"nope": [1.0]})

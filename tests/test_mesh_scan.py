@@ -47,6 +47,9 @@ def test_every_method_runs_and_reports_its_bytes(scan):
       < rows["terngrad"]["inter_host_bytes"] < rows["int8"]["inter_host_bytes"] \
       < rows["fp32-hier"]["inter_host_bytes"]
   assert rows["powersgd-r1"]["inter_host_bytes"] < rows["powersgd-r4"]["inter_host_bytes"]
+  # 6 steps: 1-bit Adam runs 1 dense and 5 1-bit rounds; 0/1 Adam 1 dense, 1 1-bit, 4 none
+  assert rows["zero-one-adam"]["inter_host_bytes"] < rows["onebit-adam"]["inter_host_bytes"] \
+      < rows["fp32-hier"]["inter_host_bytes"]
   for row in rows.values():
     assert row["ratio_vs_fp32"] == pytest.approx(
         rows["fp32"]["inter_host_bytes"] / row["inter_host_bytes"])

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -74,6 +74,11 @@ class Method(NamedTuple):
       gossip); the held-out loss is that of the devices' average.
     comm_every: the method's collectives run once every this many steps (they sit inside a
       ``lax.cond``, which the compiled program contains once): bytes per step are divided by it.
+    branch_fractions: ``branch_fractions(setting, opt_state) -> fractions``: for a method whose
+      step is one outermost ``lax.cond``/``lax.switch`` with collectives in several branches
+      (1-bit Adam, 0/1 Adam), the fraction of the run's steps that took each branch, read from
+      the final state: each branch's bytes are weighted by it (``None``: every collective
+      counts once per step).
   """
   name: str
   summary: str
@@ -82,6 +87,7 @@ class Method(NamedTuple):
   make_step: Callable = jaxcomm.data_parallel_step
   device_local: bool = False
   comm_every: int = 1
+  branch_fractions: Callable[[Setting, Any], Sequence[float]] | None = None
 
 
 REGISTRY: dict[str, Method] = {}
@@ -174,6 +180,46 @@ def _diloco(period: int, sync: str | None) -> Method:
                 make_step=jaxcomm.local_training_step, device_local=True, comm_every=period)
 
 
+def _onebit_warmup(setting: Setting) -> int:
+  return max(1, setting.steps // 10)
+
+
+def _onebit_fractions(setting: Setting, state) -> list[float]:
+  """``[1-bit, warm-up]``: ``lax.cond`` puts its false branch first."""
+  steps = int(state.count)
+  warmup = min(steps, _onebit_warmup(setting))
+  return [(steps - warmup) / steps, warmup / steps]
+
+
+def _zero_one_adam() -> Method:
+  """0/1 Adam with a schedule scaled to the run: variance frozen after a quarter of it."""
+  clipper = 8
+
+  def build(setting):
+    return jaxcomm.zero_one_adam(
+        setting.lr, var_freeze_step=max(1, setting.steps // 4), var_update_scaler=8,
+        local_step_scaler=max(1, setting.steps // 30), local_step_clipper=clipper)
+
+  def fractions(setting, state) -> list[float]:
+    """Steps per branch ``[variance, 1-bit, local, sync]`` from the final state's counters."""
+    steps, rounds = int(state.count), int(state.rounds)
+    before_freeze = min(steps, max(1, setting.steps // 4))
+    variance = int(state.var_updates)
+    counts = [variance, before_freeze - variance, steps - rounds, rounds - before_freeze]
+    return [count / steps for count in counts]
+
+  def project(setting, shapes, hosts, local, fast, slow):
+    comm = projection.hierarchical(shapes, hosts, local, fast, slow, jaxcomm.sign(),
+                                   "two_phase")
+    return comm._replace(**{field: getattr(comm, field) / clipper for field in comm._fields})
+
+  return Method("zero-one-adam", "0/1 Adam: variance updated on a thinning step set (dense) with "
+                "1-bit gradients between, frozen after 1/4 of the run; then local Adam steps "
+                f"and 1-bit syncs at gaps doubling up to {clipper}; projected at that gap",
+                build, project, make_step=jaxcomm.local_training_step, device_local=True,
+                branch_fractions=fractions)
+
+
 def _entries() -> list[Method]:
   return [
       Method("fp32", "plain jax.lax.pmean over both axes at full precision (the reference)",
@@ -222,11 +268,13 @@ def _entries() -> list[Method]:
              lambda s: jaxcomm.gossip(optax.adamw(s.lr), "ring"), None,
              make_step=jaxcomm.local_training_step, device_local=True),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
-             "and 1-bit momentum across hosts (two-phase, worker and server error feedback); its bytes "
-             "count both branches of the compiled step, warm-up and 1-bit",
-             lambda s: jaxcomm.onebit_adam(s.lr, warmup_steps=max(1, s.steps // 10)),
+             "and 1-bit momentum across hosts (two-phase, worker and server error feedback); bytes "
+             "per step weigh the warm-up and 1-bit branches by the steps each ran",
+             lambda s: jaxcomm.onebit_adam(s.lr, warmup_steps=_onebit_warmup(s)),
              lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
-                 shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase")),
+                 shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase"),
+             branch_fractions=_onebit_fractions),
+      _zero_one_adam(),
   ]
 
 

@@ -46,7 +46,6 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
   step = method.make_step(task.loss_fn, tx, mesh, specs).lower(
       params, opt_state, batch_at(0)).compile()
   report = jaxcomm.accounting.report_from_hlo(step.as_text(), mesh)
-  link = report.link_bytes(("host", "local"))
   losses, times = [], []
   for index in range(steps):
     batch = batch_at(index)
@@ -55,6 +54,7 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
     losses.append(float(loss))  # blocks until the step is done
     times.append(time.perf_counter() - started)
     on_step()
+  link = report.link_bytes(("host", "local"), _branch_weights(method, setting, report, opt_state))
   if method.device_local:
     params = jaxcomm.device_mean(params, mesh)
   held_out = float(jax.jit(task.loss_fn)(params, task.held_out))
@@ -68,3 +68,15 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
       "median_step_s": float(np.median(times[-timed_steps:])),
       "report": report,
   }
+
+
+def _branch_weights(method: Method, setting: Setting, report, opt_state) -> dict | None:
+  """The fraction of steps each branch of the step's one outermost conditional ran."""
+  if method.branch_fractions is None:
+    return None
+  conditionals = report.conditionals()
+  if len(conditionals) != 1:
+    raise ValueError(f"method {method.name!r} weighs branches, but its compiled step has "
+                     f"{len(conditionals)} outermost conditionals with collectives: "
+                     f"{conditionals}.")
+  return {next(iter(conditionals)): method.branch_fractions(setting, opt_state)}
