@@ -50,6 +50,10 @@ def test_every_method_runs_and_reports_its_bytes(scan):
       < rows["terngrad"]["inter_host_bytes"] < rows["int8"]["inter_host_bytes"] \
       < rows["fp32-hier"]["inter_host_bytes"]
   assert rows["powersgd-r1"]["inter_host_bytes"] < rows["powersgd-r4"]["inter_host_bytes"]
+  # DGC across hosts gathers the top-k of each device's host-mean shard, as topk-ef does;
+  # topk-ef also pays its non-finite agreement, a 4-byte all-reduce over the 8 devices.
+  assert rows["dgc"]["inter_host_bytes"] == rows["topk-ef"]["inter_host_bytes"] - 2 * 7 / 8 * 4
+  assert rows["dgc"]["intra_host_bytes"] == rows["topk-ef"]["intra_host_bytes"]
   for row in rows.values():
     assert row["ratio_vs_fp32"] == pytest.approx(
         rows["fp32"]["inter_host_bytes"] / row["inter_host_bytes"])

@@ -255,9 +255,11 @@ def _entries() -> list[Method]:
                   "feedback)", _sketch, bucketed=True, project=_sketch_project),
       _powersgd(1),
       _powersgd(4),
-      Method("dgc", "Deep Gradient Compression: momentum correction and masking, top-k "
-             "(--topk-fraction) of the velocity over all devices, all-gather; SGD after it",
-             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction), optax.sgd(10 * s.lr)),
+      Method("dgc", "Deep Gradient Compression across hosts: dense mean inside each host "
+             "(reduce-scatter), momentum correction and masking, top-k (--topk-fraction) of "
+             "each device's velocity shard all-gathered over hosts; SGD after it",
+             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction, fast_axis="local"),
+                                   optax.sgd(10 * s.lr)),
              lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
                  shapes, hosts, local, fast, slow, jaxcomm.topk(s.topk_fraction), "gather")),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
