@@ -72,8 +72,10 @@ class Method(NamedTuple):
       ``(params, state, loss)``.
     device_local: every device trains its own copy of the parameters (local SGD, DiLoCo,
       gossip); the held-out loss is that of the devices' average.
-    comm_every: the method's collectives run once every this many steps (they sit inside a
-      ``lax.cond``, which the compiled program contains once): bytes per step are divided by it.
+    comm_every: the method's collectives run once every this many steps (they sit inside
+      ``lax.cond``/``lax.switch`` branches, which the compiled program contains once; streaming
+      DiLoCo takes one fragment's branch every ``comm_every / fragments`` steps): bytes per
+      step are divided by it.
   """
   name: str
   summary: str
