@@ -16,6 +16,9 @@ from benchmarks.scan.methods import REGISTRY
 from jaxcomm import costmodel, links, topk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PERIOD = 8
+STEPS = PERIOD  # every periodic method synchronizes once, on the last step
+PERIODIC = [name for name, method in REGISTRY.items() if method.comm_every > 1]
 
 
 def _run(*argv, timeout=600):
@@ -26,10 +29,10 @@ def _run(*argv, timeout=600):
 
 @pytest.fixture(scope="module")
 def scan(tmp_path_factory):
-  """Every registered method on a tiny char LM, 2x4 mesh, 6 steps."""
+  """Every registered method on a tiny char LM, 2x4 mesh, :data:`STEPS` steps."""
   out = tmp_path_factory.mktemp("scan")
-  result = _run("--quick", "--methods", ",".join(REGISTRY), "--steps", "6", "--timed-steps",
-                "2", "--hidden", "16", "--batch", "4", "--out", str(out))
+  result = _run("--quick", "--methods", ",".join(REGISTRY), "--steps", str(STEPS),
+                "--timed-steps", "2", "--hidden", "16", "--batch", "4", "--out", str(out))
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   return out, result.stdout, json.loads((out / "results.json").read_text())
 
@@ -47,14 +50,25 @@ def test_every_method_runs_and_reports_its_bytes(scan):
       < rows["terngrad"]["inter_host_bytes"] < rows["int8"]["inter_host_bytes"] \
       < rows["fp32-hier"]["inter_host_bytes"]
   assert rows["powersgd-r1"]["inter_host_bytes"] < rows["powersgd-r4"]["inter_host_bytes"]
-  # 6 steps: 1-bit Adam runs 1 dense and 5 1-bit rounds; 0/1 Adam 1 dense, 1 1-bit, 4 none
-  assert rows["zero-one-adam"]["inter_host_bytes"] < rows["onebit-adam"]["inter_host_bytes"] \
-      < rows["fp32-hier"]["inter_host_bytes"]
+  # DGC across hosts gathers the top-k of each device's host-mean shard, as topk-ef does;
+  # topk-ef also pays its non-finite agreement, a 4-byte all-reduce over the 8 devices.
+  assert rows["dgc"]["inter_host_bytes"] == rows["topk-ef"]["inter_host_bytes"] - 2 * 7 / 8 * 4
+  assert rows["dgc"]["intra_host_bytes"] == rows["topk-ef"]["intra_host_bytes"]
+  # 8 steps. 1-bit Adam: 1 dense warm-up step, 7 1-bit; 0/1 Adam: 2 dense variance steps, 1
+  # 1-bit sync, 5 silent. Both add the loss pmean (7 B), fp32-hier adds its non-finite
+  # agreement (7 B) to the dense allreduce D: the 1-bit round x from 1-bit Adam's row
+  # predicts 0/1 Adam's row exactly.
+  every_step = 2 * 7 / 8 * 4
+  dense = rows["fp32-hier"]["inter_host_bytes"] - 2 * every_step
+  onebit_round = (8 * (rows["onebit-adam"]["inter_host_bytes"] - every_step) - dense) / 7
+  assert 0 < onebit_round < dense / 16
+  assert rows["zero-one-adam"]["inter_host_bytes"] == pytest.approx(
+      every_step + (2 * dense + onebit_round) / 8, rel=1e-9)
   for row in rows.values():
     assert row["ratio_vs_fp32"] == pytest.approx(
         rows["fp32"]["inter_host_bytes"] / row["inter_host_bytes"])
     assert math.isfinite(row["held_out_loss"]) and row["median_step_ms"] > 0
-    assert len(row["losses"]) == 6 and set(row["modeled_ms"]) == set(figures.CLUSTERS)
+    assert len(row["losses"]) == STEPS and set(row["modeled_ms"]) == set(figures.CLUSTERS)
   assert rows["fp32"]["held_out_gap_pct"] == 0 and rows["identity"]["overhead_pct"] == 0
 
 
@@ -63,12 +77,36 @@ def test_every_file_is_written(scan):
   with open(out / "runs.csv") as handle:
     assert len(list(csv.DictReader(handle))) == len(REGISTRY)
   with open(out / "curves.csv") as handle:
-    assert len(list(csv.DictReader(handle))) == 6 * len(REGISTRY)
+    assert len(list(csv.DictReader(handle))) == STEPS * len(REGISTRY)
   projected = {row["method"]: row for row in results["projection"]}
   assert projected["fp32"]["speedup"]["nvlink+100gbe"] == 1
   assert projected["topk-ef"]["speedup"]["nvlink+1gbe"] > 10
   for name in ("loss_vs_bytes_charlm_2x4.png", "step_time_vs_bandwidth_charlm_2x4.png"):
     assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_periodic_methods_pay_one_allreduce_per_period(scan):
+  _, _, results = scan
+  rows = {row["method"]: row for row in results["runs"]}
+  projected = {row["method"]: row for row in results["projection"]}
+  assert {"local-sgd-h8", "diloco-h8", "diloco-h8-sign", "streaming-diloco-h8", "slowmo-h8",
+          "fedavg-h8", "fedprox-h8"} <= set(PERIODIC)
+  for name in PERIODIC:
+    # The compiled step holds the synchronization once (streaming DiLoCo: one branch per
+    # fragment, all parameters together), run once per period; sign-sync DiLoCo sends what
+    # sign-ef sends per step. Both sides also pay the same scalar agreement and loss means.
+    reference = "sign-ef" if name.endswith("-sign") else "fp32-hier"
+    assert rows[name]["comm_every"] == REGISTRY[name].comm_every == PERIOD
+    for link in ("inter_host_bytes", "intra_host_bytes"):
+      assert rows[name][link] == pytest.approx(rows[reference][link] / PERIOD, rel=0.01), link
+    for field in ("slow_bytes", "fast_bytes"):
+      assert projected[name][field] == pytest.approx(projected[reference][field] / PERIOD)
+    assert math.isfinite(rows[name]["held_out_loss"])
+  # The synchronization ran on the last step: local SGD's leaves the devices' mean where it
+  # was, DiLoCo's outer Nesterov step moves it (by 1.33 times the pseudo-gradient at first).
+  assert rows["diloco-h8"]["held_out_loss"] != pytest.approx(
+      rows["local-sgd-h8"]["held_out_loss"], rel=1e-3)
+  assert rows["gossip-ring"]["comm_every"] == 1
 
 
 @pytest.mark.parametrize("argv, match", [

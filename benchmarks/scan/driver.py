@@ -80,8 +80,8 @@ def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, 
 def _line(row: dict) -> str:
   """The one-line record of a finished run (also what a launched job's log shows)."""
   if "error" in row:
-    return f"{row['method']:<12} failed: {row['error']} ({row['model']} {row['mesh']})"
-  return (f"{row['method']:<12} {row['inter_host_bytes']:>12,.0f} inter-host B/step "
+    return f"{row['method']:<20} failed: {row['error']} ({row['model']} {row['mesh']})"
+  return (f"{row['method']:<20} {row['inter_host_bytes']:>12,.0f} inter-host B/step "
           f"{row['intra_host_bytes']:>12,.0f} intra-host  {1e3 * row['median_step_s']:7.1f} ms/step"
           f"  held-out {row['held_out_loss']:.4f}  ({row['model']} {row['mesh']})")
 

@@ -72,8 +72,10 @@ class Method(NamedTuple):
       ``(params, state, loss)``.
     device_local: every device trains its own copy of the parameters (local SGD, DiLoCo,
       gossip); the held-out loss is that of the devices' average.
-    comm_every: the method's collectives run once every this many steps (they sit inside a
-      ``lax.cond``, which the compiled program contains once): bytes per step are divided by it.
+    comm_every: the method's collectives run once every this many steps (they sit inside
+      ``lax.cond``/``lax.switch`` branches, which the compiled program contains once; streaming
+      DiLoCo takes one fragment's branch every ``comm_every / fragments`` steps): bytes per
+      step are divided by it.
     branch_fractions: ``branch_fractions(setting, opt_state) -> fractions``: for a method whose
       step is one outermost ``lax.cond``/``lax.switch`` with collectives in several branches
       (1-bit Adam, 0/1 Adam), the fraction of the run's steps that took each branch, read from
@@ -160,24 +162,69 @@ def _powersgd(rank: int) -> Method:
           shapes, hosts, local, fast, slow, rank))
 
 
-def _diloco(period: int, sync: str | None) -> Method:
-  """DiLoCo: ``period`` local AdamW steps per device, then an outer Nesterov step on the
-  averaged pseudo-gradient, synchronized at full precision or with 1-bit sign + EF."""
-  label = "fp32" if sync is None else "1-bit sign with error feedback"
+def _periodic(name: str, summary: str, make: Callable, period: int, *,
+              sign: bool = False) -> Method:
+  """A device-local method that averages every parameter once per ``period`` steps.
 
-  def build(setting):
-    reduce = jaxcomm.compressed_allreduce(None if sync is None else jaxcomm.sign())
-    return jaxcomm.diloco(optax.adamw(setting.lr), period, sync=reduce)
+  ``make(setting, sync)`` builds it around ``sync``, the pseudo-gradient average: the dense
+  hierarchical :func:`jaxcomm.compressed_allreduce`, or with ``sign`` 1-bit sign and error
+  feedback across hosts (a stateful compressor, so it gathers). Its collectives sit in
+  ``lax.switch`` branches that together average all parameters once per period (streaming
+  DiLoCo's fragments one after another), so the measured bytes and the projection are those
+  of one such allreduce divided by ``period``.
+  """
+  compressor = jaxcomm.sign() if sign else None
 
   def project(setting, shapes, hosts, local, fast, slow):
-    comm = projection.hierarchical(shapes, hosts, local, fast, slow,
-                                   None if sync is None else jaxcomm.sign(), "gather")
-    return comm._replace(**{field: getattr(comm, field) / period for field in comm._fields})
+    comm = projection.hierarchical(shapes, hosts, local, fast, slow, compressor, "gather")
+    return projection.Comm(*(value / period for value in comm))
 
-  name = f"diloco-h{period}" + ("" if sync is None else "-sign")
-  return Method(name, f"DiLoCo: {period} local AdamW steps per device, then an outer Nesterov "
-                f"step on the averaged pseudo-gradient ({label} sync)", build, project,
-                make_step=jaxcomm.local_training_step, device_local=True, comm_every=period)
+  return Method(name, summary,
+                lambda setting: make(setting, jaxcomm.compressed_allreduce(compressor)),
+                project, make_step=jaxcomm.local_training_step, device_local=True,
+                comm_every=period)
+
+
+def _client_sample(setting: Setting) -> int:
+  """FedAvg's clients per round: three quarters of the devices (6 of 8)."""
+  return max(1, 3 * setting.hosts * setting.local // 4)
+
+
+def _device_local_methods(period: int) -> list[Method]:
+  """Local SGD, DiLoCo (fp32 and sign sync, streaming), SlowMo, FedAvg and FedProx, each with
+  AdamW inside and ``period`` local steps per synchronization; the ring gossip."""
+  h = period
+  adamw = lambda setting: optax.adamw(setting.lr)  # noqa: E731
+  fed = lambda s: {"seed": s.seed, "clients_per_round": _client_sample(s)}  # noqa: E731
+  return [
+      _periodic(f"local-sgd-h{h}", f"local SGD: {h} local AdamW steps per device, then the "
+                "parameters averaged (fp32 sync)",
+                lambda s, sync: jaxcomm.local_sgd(adamw(s), h, sync=sync), h),
+      _periodic(f"diloco-h{h}", f"DiLoCo: {h} local AdamW steps per device, then an outer "
+                "Nesterov step on the averaged pseudo-gradient (fp32 sync)",
+                lambda s, sync: jaxcomm.diloco(adamw(s), h, sync=sync), h),
+      _periodic(f"diloco-h{h}-sign", f"DiLoCo as diloco-h{h}, the pseudo-gradient sent as "
+                "1-bit sign with error feedback across hosts",
+                lambda s, sync: jaxcomm.diloco(adamw(s), h, sync=sync), h, sign=True),
+      _periodic(f"streaming-diloco-h{h}", f"streaming DiLoCo: diloco-h{h} in 2 fragments "
+                f"synchronized in turn every {h // 2} steps, each merged 1 step later with "
+                "mixing 0.5 (fp32 sync)",
+                lambda s, sync: jaxcomm.diloco(adamw(s), h, sync=sync, fragments=2, delay=1,
+                                               mixing=0.5), h),
+      _periodic(f"slowmo-h{h}", f"SlowMo: {h} local AdamW steps per device, then a slow "
+                "momentum step (beta 0.5, alpha 1) on the averaged pseudo-gradient (fp32 sync)",
+                lambda s, sync: jaxcomm.slowmo(adamw(s), h, s.lr, sync=sync), h),
+      _periodic(f"fedavg-h{h}", f"FedAvg: every device a client, {h} local AdamW steps per "
+                "round, 3/4 of the clients drawn per round and averaged by sample count "
+                "(unsampled clients send zeros: the bytes of local SGD)",
+                lambda s, sync: jaxcomm.fedavg(adamw(s), h, sync=sync, **fed(s)), h),
+      _periodic(f"fedprox-h{h}", f"FedProx: fedavg-h{h} plus the proximal term, mu 0.01",
+                lambda s, sync: jaxcomm.fedprox(adamw(s), h, 0.01, sync=sync, **fed(s)), h),
+      Method("gossip-ring", "decentralized AdamW: a local step, then averaging with the two "
+             "ring neighbours by ppermute (no allreduce)",
+             lambda s: jaxcomm.gossip(adamw(s), "ring"), None,
+             make_step=jaxcomm.local_training_step, device_local=True),
+  ]
 
 
 def _onebit_warmup(setting: Setting) -> int:
@@ -256,17 +303,13 @@ def _entries() -> list[Method]:
                   "feedback)", _sketch, bucketed=True, project=_sketch_project),
       _powersgd(1),
       _powersgd(4),
-      Method("dgc", "Deep Gradient Compression: momentum correction and masking, top-k "
-             "(--topk-fraction) of the velocity over all devices, all-gather; SGD after it",
-             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction), optax.sgd(10 * s.lr)),
+      Method("dgc", "Deep Gradient Compression across hosts: dense mean inside each host "
+             "(reduce-scatter), momentum correction and masking, top-k (--topk-fraction) of "
+             "each device's velocity shard all-gathered over hosts; SGD after it",
+             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction, fast_axis="local"),
+                                   optax.sgd(10 * s.lr)),
              lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
                  shapes, hosts, local, fast, slow, jaxcomm.topk(s.topk_fraction), "gather")),
-      _diloco(8, None),
-      _diloco(8, "sign-ef"),
-      Method("gossip-ring", "decentralized AdamW: a local step, then averaging with the two ring "
-             "neighbours by ppermute (no allreduce)",
-             lambda s: jaxcomm.gossip(optax.adamw(s.lr), "ring"), None,
-             make_step=jaxcomm.local_training_step, device_local=True),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
              "and 1-bit momentum across hosts (two-phase, worker and server error feedback); bytes "
              "per step weigh the warm-up and 1-bit branches by the steps each ran",
@@ -275,7 +318,7 @@ def _entries() -> list[Method]:
                  shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase"),
              branch_fractions=_onebit_fractions),
       _zero_one_adam(),
-  ]
+  ] + _device_local_methods(8)
 
 
 for _method in _entries():

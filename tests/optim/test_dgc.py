@@ -1,23 +1,36 @@
-"""Deep Gradient Compression: degenerate case, masking, warm-up, training, resume, errors."""
+"""Deep Gradient Compression: degenerate case, masking, warm-up, training, resume, bytes,
+errors; flat over every device and across hosts after a dense mean over the fast axis."""
+
+import functools
 
 import chex
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from jaxcomm import accounting
+from jaxcomm.compress.topk import topk_count
 from jaxcomm.optim.dgc import dgc
-from lowcomm_helpers import DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd, train
+from lowcomm_helpers import (AXES, DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
+                             train)
 
 LR = 0.1
 
 
-@pytest.mark.parametrize("strategy", ["gather", "two_phase"])
-def test_density_one_without_masking_is_momentum_sgd(strategy):
+TOPOLOGIES = [("gather", None), ("two_phase", None), ("gather", "local"),
+              ("two_phase", "local")]
+
+
+@pytest.mark.parametrize("strategy, fast_axis", TOPOLOGIES)
+def test_density_one_without_masking_is_momentum_sgd(strategy, fast_axis):
   expected = train(optax.chain(jaxcomm.compressed_allreduce(), optax.sgd(LR, momentum=0.9)),
                    3)[0]
-  tx = optax.chain(dgc(1.0, momentum_masking=False, strategy=strategy), optax.sgd(LR))
+  tx = optax.chain(dgc(1.0, momentum_masking=False, strategy=strategy, fast_axis=fast_axis),
+                   optax.sgd(LR))
   chex.assert_trees_all_close(train(tx, 3)[0], expected, atol=1e-6)
 
 
@@ -40,14 +53,64 @@ def test_warmup_density_then_final_density_and_momentum_masking():
     np.testing.assert_allclose(fraction, max(1, int(0.1 * size)) / size)
 
 
-@pytest.mark.parametrize("strategy", ["gather", "two_phase"])
-def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy):
-  tx = optax.chain(dgc(0.05, warmup_steps=4, clip_norm=10.0, strategy=strategy), optax.sgd(LR))
+@pytest.mark.parametrize("strategy, fast_axis", TOPOLOGIES)
+def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy, fast_axis):
+  tx = optax.chain(dgc(0.05, warmup_steps=4, clip_norm=10.0, strategy=strategy,
+                       fast_axis=fast_axis), optax.sgd(LR))
   params, state, losses, step, specs = train(tx, 60)
   assert eval_loss(params) < eval_loss(sync_sgd(LR, 60)[0]) + 0.1, losses
   data, mesh = problem()[2:]
   two = lambda p, s: step(*step(p, s, batch(data, 60))[:2], batch(data, 61))[:2]
   chex.assert_trees_all_equal(two(params, state), two(params, numpy_roundtrip(state, specs, mesh)))
+
+
+def _measure(tx, params, mesh):
+  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
+  def step(grads, opt_state):
+    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
+
+  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
+  return accounting.measure(step, grads, state, mesh=mesh)
+
+
+@pytest.mark.parametrize("hosts, local", [(2, 4), (4, 2)])
+def test_across_hosts_only_the_top_k_of_each_shard_crosses_hosts(hosts, local):
+  mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+  params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(42)}
+  density = 0.01
+  hier = _measure(dgc(density, fast_axis="local"), params, mesh)
+  flat = _measure(dgc(density), params, mesh)
+  shards = [-(-p.size // local) for p in jax.tree.leaves(params)]
+  k_shards = sum(topk_count((size,), density, None) for size in shards)
+  assert hier.link_bytes()["host"] == hier.bytes_per_axes()[("host",)] \
+      == (hosts - 1) * 8 * k_shards
+  # Dense reduce-scatter and all-gather of the zero-padded leaves inside the host.
+  assert hier.link_bytes()["local"] == pytest.approx(2 * (local - 1) / local * 4 * local
+                                                     * sum(shards))
+  k_leaves = sum(topk_count(p.shape, density, None) for p in jax.tree.leaves(params))
+  assert flat.link_bytes()["host"] == (hosts * local - 1) * 8 * k_leaves
+  assert hier.link_bytes()["host"] < flat.link_bytes()["host"]
+
+
+@pytest.mark.parametrize("fast_axis, error, match", [
+    ("", TypeError, "fast_axis must be a non-empty mesh axis name or None, got ''"),
+    (("local",), TypeError, "fast_axis must be a non-empty mesh axis name or None"),
+])
+def test_bad_fast_axis_raises_at_construction(fast_axis, error, match):
+  with pytest.raises(error, match=match):
+    dgc(fast_axis=fast_axis)
+
+
+def test_fast_axis_missing_from_the_mesh_or_alone_in_it_raises():
+  params = problem()[1]
+  with pytest.raises(ValueError, match="dgc.init: mesh axis 'gpu' is not available"):
+    jaxcomm.sharded_init(dgc(fast_axis="gpu"), params, problem()[3])
+  one_axis = jax.make_mesh((DEVICES,), ("local",), axis_types=(jax.sharding.AxisType.Explicit,))
+  with pytest.raises(ValueError, match="fast_axis='local' is the only mesh axis"):
+    jaxcomm.sharded_init(dgc(fast_axis="local"), params, one_axis)
 
 
 @pytest.mark.parametrize("kwargs, match", [
