@@ -224,6 +224,36 @@ def _device_local_methods(period: int) -> list[Method]:
              "ring neighbours by ppermute (no allreduce)",
              lambda s: jaxcomm.gossip(adamw(s), "ring"), None,
              make_step=jaxcomm.local_training_step, device_local=True),
+      Method("choco-sign-ring", "CHOCO-SGD: gossip-ring whose neighbours exchange the 1-bit "
+             "scaled sign of x - x_hat (consensus step 0.5)",
+             lambda s: jaxcomm.gossip(adamw(s), "ring", compressor=jaxcomm.sign(),
+                                      consensus_step=0.5), None,
+             make_step=jaxcomm.local_training_step, device_local=True),
+  ]
+
+
+def _data_parallel_schemes(k: int, tau: int) -> list[Method]:
+  """Gradient accumulation over ``k`` micro-steps and ``tau``-stale DC-ASGD, both around the
+  full-precision hierarchical allreduce and AdamW."""
+
+  def hierarchical_per(period):
+    def project(setting, shapes, hosts, local, fast, slow):
+      comm = projection.hierarchical(shapes, hosts, local, fast, slow, None, None)
+      return projection.Comm(*(value / period for value in comm))
+    return project
+
+  return [
+      Method(f"accumulate-k{k}", f"gradient accumulation: {k} micro-steps summed locally, then "
+             "one fp32-hier allreduce and one AdamW step (jaxcomm.accumulate_gradients)",
+             lambda s: jaxcomm.accumulate_gradients(
+                 _adamw(jaxcomm.compressed_allreduce(), s), k),
+             hierarchical_per(k), comm_every=k),
+      Method(f"stale-t{tau}-dcasgd", f"simulated asynchronous training: fp32-hier gradients "
+             f"applied {tau} steps late with DC-ASGD compensation (lambda 0.1), then AdamW",
+             lambda s: optax.chain(jaxcomm.compressed_allreduce(),
+                                   jaxcomm.staleness(tau, compensation=0.1),
+                                   optax.adamw(s.lr)),
+             hierarchical_per(1)),
   ]
 
 
@@ -318,7 +348,7 @@ def _entries() -> list[Method]:
                  shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase"),
              branch_fractions=_onebit_fractions),
       _zero_one_adam(),
-  ] + _device_local_methods(8)
+  ] + _device_local_methods(8) + _data_parallel_schemes(4, 2)
 
 
 for _method in _entries():
