@@ -105,6 +105,9 @@ def main() -> None:
     per_step = host * rate if rate is not None else host / 8
     for i in range(args.steps):
       params, state, _ = step(params, state, batch(i))
+      # One step in flight: with steps dispatched back to back, jaxlib 0.10.2's CPU runtime
+      # can deadlock in a collective when the cores are loaded (docs/algorithms.md).
+      jax.block_until_ready((params, state))
     final = device_mean(params, mesh) if local else params
     loss = float(loss_fn(final, held_out))
     reference = loss if reference is None else reference
