@@ -7,6 +7,10 @@ each algorithm and prints, per algorithm, the inter-host bytes each device sends
 next to synchronous fp32 SGD's.
 
     python -m benchmarks.algorithms --steps 200
+    python -m benchmarks.algorithms --steps 20 --algorithms gossip "stale tau=2"
+
+``--algorithms`` keeps the rows whose name contains one of the given strings (case-insensitive);
+the fp32 row always runs first, as the reference of the last column.
 """
 
 from __future__ import annotations
@@ -50,11 +54,25 @@ def algorithms(lr: float):
   }
 
 
+def select(table: dict, wanted: list[str] | None) -> dict:
+  """The reference row (the first) and the rows whose name contains one of ``wanted``."""
+  if not wanted:
+    return table
+  unmatched = [w for w in wanted if not any(w.lower() in name.lower() for name in table)]
+  if unmatched:
+    raise SystemExit(f"--algorithms: no row matches {unmatched}; rows: {list(table)}")
+  reference = next(iter(table))
+  return {name: row for name, row in table.items()
+          if name == reference or any(w.lower() in name.lower() for w in wanted)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--steps", type=int, default=300)
   parser.add_argument("--lr", type=float, default=0.1)
   parser.add_argument("--hidden", default="64,64", help="comma-separated hidden widths")
+  parser.add_argument("--algorithms", nargs="+", metavar="NAME",
+                      help="run only the rows whose name contains one of these (and fp32)")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
@@ -66,6 +84,7 @@ def main() -> None:
   from models.data import teacher_classification
   from models.mlp import classification_loss, init_mlp
 
+  table = select(algorithms(args.lr), args.algorithms)
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   graphdef, initial = init_mlp(64, [int(w) for w in args.hidden.split(",")], 10, seed=0)
   loss_fn = classification_loss(graphdef)
@@ -74,7 +93,7 @@ def main() -> None:
   print("| algorithm | inter-host bytes/step/device | held-out loss | vs fp32 |")
   print("|---|---:|---:|---:|")
   reference = None
-  for name, (tx, local, rate) in algorithms(args.lr).items():
+  for name, (tx, local, rate) in table.items():
     params = to_device_local(initial, mesh) if local else initial
     spec = P(tuple(mesh.axis_names)) if local else P()
     state, specs = jaxcomm.sharded_init(tx, params, mesh, spec)
@@ -86,6 +105,9 @@ def main() -> None:
     per_step = host * rate if rate is not None else host / 8
     for i in range(args.steps):
       params, state, _ = step(params, state, batch(i))
+      # One step in flight: with steps dispatched back to back, jaxlib 0.10.2's CPU runtime
+      # can deadlock in a collective when the cores are loaded (docs/algorithms.md).
+      jax.block_until_ready((params, state))
     final = device_mean(params, mesh) if local else params
     loss = float(loss_fn(final, held_out))
     reference = loss if reference is None else reference
