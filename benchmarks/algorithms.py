@@ -3,8 +3,10 @@
 Trains the same MLP on the same generated data on a simulated 2 hosts x 4 devices mesh with
 each algorithm and prints, per algorithm, the inter-host bytes each device sends per step
 (read from the compiled HLO; collectives that run only on synchronization steps, inside
-``lax.cond``/``lax.switch``, are divided by how often they run) and the final held-out loss
-next to synchronous fp32 SGD's.
+``lax.cond``/``lax.switch``, are divided by how often they run; for 1-bit Adam and 0/1 Adam,
+whose branches hold different collectives, each branch is weighted by the share of steps that
+took it, read from the final state) and the final held-out loss next to synchronous fp32
+SGD's.
 
     python -m benchmarks.algorithms --steps 200
     python -m benchmarks.algorithms --steps 20 --algorithms gossip "stale tau=2"
@@ -24,7 +26,21 @@ def algorithms(lr: float):
 
   import jaxcomm
   from jaxcomm import optim
-  # name -> (transformation, device-local params?, executions per step of its collectives)
+  freeze = 50  # 0/1 Adam's last variance step
+
+  def onebit_fractions(state):
+    """``[1-bit, warm-up]`` (``lax.cond`` puts its false branch first)."""
+    steps = int(state.count)
+    return [(steps - min(steps, 20)) / steps, min(steps, 20) / steps]
+
+  def zero_one_fractions(state):
+    """Steps per branch ``[variance, 1-bit, local, sync]`` from the counters."""
+    steps, rounds, variance = int(state.count), int(state.rounds), int(state.var_updates)
+    before = min(steps, freeze)
+    return [c / steps for c in (variance, before - variance, steps - rounds, rounds - before)]
+
+  # name -> (transformation, device-local params?, executions per step of its collectives:
+  # a rate, or fractions(final state) of the branches of the step's one conditional)
   return {
       "fp32 sync SGD": (optax.chain(jaxcomm.compressed_allreduce(), optax.sgd(lr)), False, 1),
       "topk-ef 1% SGD": (optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
@@ -36,8 +52,9 @@ def algorithms(lr: float):
       "DiLoCo H=8 adam": (optim.diloco(optax.adam(3e-3), 8), True, 1 / 8),
       "DiLoCo H=8 sign-ef": (optim.diloco(optax.adam(3e-3), 8, sync=jaxcomm.compressed_allreduce(
           jaxcomm.sign())), True, 1 / 8),
+      # each of the 2 fragment branches runs once per 8 steps, with half the parameters
       "streaming DiLoCo H=8 F=2": (optim.diloco(optax.adam(3e-3), 8, fragments=2, delay=1,
-                                                mixing=0.5), True, None),
+                                                mixing=0.5), True, 1 / 8),
       "SlowMo H=8": (optim.slowmo(optax.sgd(lr), 8, lr, beta=0.5), True, 1 / 8),
       "FedAvg H=8 6/8 clients": (optim.fedavg(optax.sgd(lr), 8, client_sizes=range(1, 9),
                                               clients_per_round=6), True, 1 / 8),
@@ -51,6 +68,11 @@ def algorithms(lr: float):
                               False, 1),
       "accumulate k=4 topk-ef": (optim.accumulate_gradients(optax.chain(
           jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)), optax.sgd(lr)), 4), False, 1 / 4),
+      "1-bit Adam, 20 warm-up": (optim.onebit_adam(3e-3, warmup_steps=20), False,
+                                 onebit_fractions),
+      "0/1 Adam, freeze 50": (optim.zero_one_adam(
+          3e-3, var_freeze_step=freeze, var_update_scaler=8, local_step_scaler=10,
+          local_step_clipper=8), True, zero_one_fractions),
   }
 
 
@@ -100,14 +122,17 @@ def main() -> None:
     step = (local_training_step if local else data_parallel_step)(loss_fn, tx, mesh, specs)
     batch = lambda i: (inputs[(i % 100) * 256:(i % 100 + 1) * 256],
                        labels[(i % 100) * 256:(i % 100 + 1) * 256])
-    host = jaxcomm.accounting.measure(step, params, state, batch(0), mesh=mesh).link_bytes()["host"]
-    # streaming DiLoCo: each of its 2 fragment branches runs once per 8 steps
-    per_step = host * rate if rate is not None else host / 8
+    report = jaxcomm.accounting.measure(step, params, state, batch(0), mesh=mesh)
     for i in range(args.steps):
       params, state, _ = step(params, state, batch(i))
       # One step in flight: with steps dispatched back to back, jaxlib 0.10.2's CPU runtime
       # can deadlock in a collective when the cores are loaded (docs/algorithms.md).
       jax.block_until_ready((params, state))
+    if callable(rate):
+      (conditional,) = report.conditionals()
+      per_step = report.link_bytes(branch_weights={conditional: rate(state)})["host"]
+    else:
+      per_step = report.link_bytes()["host"] * rate
     final = device_mean(params, mesh) if local else params
     loss = float(loss_fn(final, held_out))
     reference = loss if reference is None else reference
