@@ -118,6 +118,15 @@ class CommReport:
       ValueError: a weighted conditional is unknown or its weights do not match its branches.
     """
     order = tuple(slowest_first or self.mesh_axes)
+    totals = {axis: 0.0 for axis in order}
+    for op, weight in zip(self.collectives, self.weights(branch_weights)):
+      slowest = min(op.axes, key=order.index)
+      totals[slowest] += weight * op.bytes_per_device
+    return totals
+
+  def weights(self, branch_weights: Mapping[str, Sequence[float]] | None = None) -> list[float]:
+    """Executions per call of each collective: its branch's weight, or 1 (see
+    :meth:`link_bytes` for ``branch_weights``)."""
     weights = dict(branch_weights or {})
     known = self.conditionals()
     for name, values in weights.items():
@@ -125,14 +134,9 @@ class CommReport:
         raise ValueError(f"branch_weights[{name!r}] must give one weight for each of the "
                          f"{known.get(name, 0)} branches of an outermost conditional with "
                          f"collectives (known: {known}); got {list(values)}.")
-    totals = {axis: 0.0 for axis in order}
-    for op in self.collectives:
-      slowest = min(op.axes, key=order.index)
-      weight = 1.0
-      if op.branch and op.branch[0][0] in weights:
-        weight = float(weights[op.branch[0][0]][op.branch[0][1]])
-      totals[slowest] += weight * op.bytes_per_device
-    return totals
+    return [float(weights[op.branch[0][0]][op.branch[0][1]])
+            if op.branch and op.branch[0][0] in weights else 1.0
+            for op in self.collectives]
 
   def conditionals(self) -> dict[str, int]:
     """Outermost conditionals that hold collectives: HLO name -> number of branches."""

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -190,7 +190,8 @@ def _check_links(report: CommReport, links: Mapping[str, LinkLike]) -> dict[str,
   return {axis: _as_link(spec) for axis, spec in links.items()}
 
 
-def predict(report: CommReport, links: Mapping[str, LinkLike]) -> CommTime:
+def predict(report: CommReport, links: Mapping[str, LinkLike],
+            branch_weights: Mapping[str, Sequence[float]] | None = None) -> CommTime:
   """Modeled communication seconds per call of a compiled function, per mesh axis.
 
   Each collective of ``report`` is timed with :func:`collective_time` on the link of the
@@ -205,6 +206,9 @@ def predict(report: CommReport, links: Mapping[str, LinkLike]) -> CommTime:
     report: from :func:`jaxcomm.accounting.measure`.
     links: a link (or preset name) for every mesh axis the collectives use, e.g.
       ``{'host': '100gbe', 'local': 'nvlink4'}``.
+    branch_weights: how often each branch of an outermost ``lax.cond``/``lax.switch`` runs
+      per call (see :meth:`~jaxcomm.accounting.CommReport.link_bytes`); a collective's time
+      is multiplied by its branch's weight. ``None``: every collective once per call.
 
   Returns:
     A :class:`CommTime`.
@@ -222,11 +226,11 @@ def predict(report: CommReport, links: Mapping[str, LinkLike]) -> CommTime:
   order = slowest_first(resolved)
   per_axis = {axis: 0.0 for axis in order}
   per_collective = []
-  for op in report.collectives:
+  for op, weight in zip(report.collectives, report.weights(branch_weights)):
     if not op.axes:  # a permute whose every pair is a self-pair crosses no link.
       per_collective.append(0.0)
       continue
-    on_each = {axis: collective_time(op, resolved[axis]) for axis in op.axes}
+    on_each = {axis: weight * collective_time(op, resolved[axis]) for axis in op.axes}
     slowest = max(sorted(op.axes, key=order.index), key=on_each.__getitem__)
     per_axis[slowest] += on_each[slowest]
     per_collective.append(on_each[slowest])
@@ -234,7 +238,8 @@ def predict(report: CommReport, links: Mapping[str, LinkLike]) -> CommTime:
 
 
 def step_time(compute_seconds: float, report: CommReport, links: Mapping[str, LinkLike],
-              overlap: float = 0.0) -> float:
+              overlap: float = 0.0,
+              branch_weights: Mapping[str, Sequence[float]] | None = None) -> float:
   """Modeled seconds of one training step: compute plus the communication not hidden by it.
 
   ``time = compute + comm - min(overlap * comm, compute)`` with ``comm = predict(...).total``:
@@ -249,6 +254,7 @@ def step_time(compute_seconds: float, report: CommReport, links: Mapping[str, Li
     report: the step's :class:`~jaxcomm.accounting.CommReport`.
     links: as for :func:`predict`.
     overlap: fraction of communication overlapped with compute, in ``[0, 1]``.
+    branch_weights: as for :func:`predict`.
 
   Returns:
     Seconds per step.
@@ -258,7 +264,7 @@ def step_time(compute_seconds: float, report: CommReport, links: Mapping[str, Li
     raise ValueError(f"compute_seconds must be a real number >= 0, got {compute_seconds!r}.")
   if isinstance(overlap, bool) or not isinstance(overlap, numbers.Real) or not 0 <= overlap <= 1:
     raise ValueError(f"overlap must be a fraction in [0, 1], got {overlap!r}.")
-  comm = predict(report, links).total
+  comm = predict(report, links, branch_weights).total
   return compute_seconds + comm - min(overlap * comm, compute_seconds)
 
 

@@ -122,6 +122,13 @@ def test_collectives_know_their_branch_and_branches_can_be_weighted():
   # branch 0 on 1/4 of the calls, branch 2 on 1/2, branch 1 (no collectives) on the rest
   weighted = report.link_bytes(branch_weights={switch: [0.25, 0.25, 0.5]})
   assert weighted == {"host": 0.25 * 64 + 0.5 * 64 + 112, "local": 0.5 * (96 + 96)}
+  # the cost model weighs each collective's time the same way
+  links = {"host": "100gbe", "local": "nvlink4"}
+  times = jaxcomm.costmodel.predict(report, links).per_collective
+  weighted_times = jaxcomm.costmodel.predict(report, links, {switch: [0.25, 0.25, 0.5]})
+  expected = [t * (0.25 if op.branch[:1] and op.branch[0][1] == 0 else
+                   0.5 if op.branch else 1.0) for t, op in zip(times, report.collectives)]
+  np.testing.assert_allclose(weighted_times.per_collective, expected, rtol=1e-12)
   with pytest.raises(ValueError, match="one weight for each of the 3 branches"):
     report.link_bytes(branch_weights={switch: [1.0, 0.0]})
   with pytest.raises(ValueError, match="branch_weights\\['nope'\\]"):

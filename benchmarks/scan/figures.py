@@ -41,11 +41,11 @@ def iso_quality_steps(losses: list[float], target: float, window: int) -> int | 
 
 
 def modeled_seconds(compute_s: float, report, slow: links.Link | str,
-                    comm_every: int = 1) -> float:
+                    branch_weights: dict | None = None) -> float:
   """``compute_s`` plus the modeled communication of the compiled step on NVLink + ``slow``,
-  paid once every ``comm_every`` steps."""
-  communication = costmodel.step_time(0.0, report, {"host": slow, "local": FAST_LINK})
-  return compute_s + communication / comm_every
+  each branch of its conditionals weighted by how often it ran (``branch_weights``)."""
+  return costmodel.step_time(compute_s, report, {"host": slow, "local": FAST_LINK},
+                             branch_weights=branch_weights)
 
 
 def _ratio(reference: float | None, value: float) -> float | None:
@@ -69,7 +69,7 @@ def derive(rows: list[dict]) -> None:
     row["final_train_loss"] = float(np.mean(row["losses"][-row["window"]:]))
     row["median_step_ms"] = 1e3 * row["median_step_s"]
     row["modeled_ms"] = {name: 1e3 * modeled_seconds(row["median_step_s"], row["report"], slow,
-                                                     row.get("comm_every", 1))
+                                                     row.get("branch_weights"))
                          for name, slow in CLUSTERS.items()}
   for row in ok:
     group = {r["method"]: r for r in ok if (r["model"], r["mesh"]) == (row["model"], row["mesh"])}

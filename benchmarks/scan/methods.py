@@ -72,10 +72,11 @@ class Method(NamedTuple):
       ``(params, state, loss)``.
     device_local: every device trains its own copy of the parameters (local SGD, DiLoCo,
       gossip); the held-out loss is that of the devices' average.
-    comm_every: the method's collectives run once every this many steps (they sit inside
-      ``lax.cond``/``lax.switch`` branches, which the compiled program contains once; streaming
-      DiLoCo takes one fragment's branch every ``comm_every / fragments`` steps): bytes per
-      step are divided by it.
+    comm_every: the method's conditional collectives run once every this many steps (they
+      sit inside ``lax.cond``/``lax.switch`` branches, which the compiled program contains
+      once; streaming DiLoCo takes one fragment's branch every ``comm_every / fragments``
+      steps): their bytes per step are divided by it; the collectives outside any branch (the
+      loss mean) count on every step.
     branch_fractions: ``branch_fractions(setting, opt_state) -> fractions``: for a method whose
       step is one outermost ``lax.cond``/``lax.switch`` with collectives in several branches
       (1-bit Adam, 0/1 Adam), the fraction of the run's steps that took each branch, read from

@@ -73,7 +73,7 @@ def step_time_vs_bandwidth(rows: list[dict], path: str, title: str) -> None:
   """Modeled step time against inter-host bandwidth; the presets marked as vertical lines."""
   curves = {row["method"]: [1e3 * modeled_seconds(row["median_step_s"], row["report"],
                                                   links.Link("sweep", bandwidth, SWEEP_LATENCY_S),
-                                                  row.get("comm_every", 1))
+                                                  row.get("branch_weights"))
                             for bandwidth in BANDWIDTHS]
             for row in rows}
   _bandwidth_plot(curves, path, title, "modeled step time, ms")

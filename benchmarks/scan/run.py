@@ -28,7 +28,8 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
     on_step: called after every step (progress bar).
 
   Returns:
-    A dict: ``inter_host_bytes``, ``intra_host_bytes`` (each device, per step),
+    A dict: ``inter_host_bytes``, ``intra_host_bytes`` (each device, per step, each branch
+    of the step's conditionals weighted by ``branch_weights``, how often it ran per step),
     ``collectives``, ``losses`` (per step, mean over devices), ``held_out_loss``,
     ``median_step_s``, and ``report`` (the :class:`~jaxcomm.accounting.CommReport`).
   """
@@ -54,14 +55,16 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
     losses.append(float(loss))  # blocks until the step is done
     times.append(time.perf_counter() - started)
     on_step()
-  link = report.link_bytes(("host", "local"), _branch_weights(method, setting, report, opt_state))
+  branch_weights = _branch_weights(method, setting, report, opt_state)
+  link = report.link_bytes(("host", "local"), branch_weights)
   if method.device_local:
     params = jaxcomm.device_mean(params, mesh)
   held_out = float(jax.jit(task.loss_fn)(params, task.held_out))
   return {
       "comm_every": method.comm_every,
-      "inter_host_bytes": link["host"] / method.comm_every,
-      "intra_host_bytes": link["local"] / method.comm_every,
+      "branch_weights": branch_weights,
+      "inter_host_bytes": link["host"],
+      "intra_host_bytes": link["local"],
       "collectives": report.count(),
       "losses": losses,
       "held_out_loss": held_out,
@@ -71,9 +74,15 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
 
 
 def _branch_weights(method: Method, setting: Setting, report, opt_state) -> dict | None:
-  """The fraction of steps each branch of the step's one outermost conditional ran."""
+  """How often each branch of the step's outermost conditionals ran, per step.
+
+  A periodic method's conditional collectives run once per ``comm_every`` steps (the loss
+  mean outside them every step); a method with ``branch_fractions`` has one outermost
+  conditional whose branch shares come from its final state.
+  """
   if method.branch_fractions is None:
-    return None
+    return {name: [1 / method.comm_every] * branches
+            for name, branches in report.conditionals().items()}
   conditionals = report.conditionals()
   if len(conditionals) != 1:
     raise ValueError(f"method {method.name!r} weighs branches, but its compiled step has "
