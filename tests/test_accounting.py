@@ -5,12 +5,12 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import accounting
+from measure_helpers import measure_update
 
 AXES = ("host", "local")
 
@@ -18,15 +18,7 @@ AXES = ("host", "local")
 def _step(mesh, compressor, params, **kwargs):
   # Payload formulas only: nonfinite='skip' adds a 4-byte agreement (tests/reliability).
   tx = jaxcomm.compressed_allreduce(compressor, nonfinite="propagate", **kwargs)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
-  def step(grads, opt_state):
-    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
-
-  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
-  return accounting.measure(step, grads, state, mesh=mesh)
+  return measure_update(tx, params, mesh)
 
 
 @pytest.mark.parametrize("hosts, local", [(2, 4), (4, 2)])

@@ -37,14 +37,24 @@ def require_varying(tree, axes: Sequence[str], caller: str) -> None:
   Such gradients are already summed: compressing them again saves nothing and would scale
   them by the device count.
   """
+  found = first_invariant(tree, axes)
+  if found:
+    path, axis = found
+    raise ValueError(
+        f"{caller}: gradient leaf {path or '<root>'} is not varying "
+        f"over mesh axis {axis!r}: it was already reduced over it, which is what "
+        "jax.grad does to gradients of replicated parameters inside shard_map. Take "
+        "per-device gradients with jaxcomm.local_grad(loss_fn)(params, batch) (or "
+        f"differentiate jax.lax.pcast(params, {tuple(axes)!r}, to='varying')).")
+
+
+def first_invariant(tree, axes: Sequence[str]) -> tuple[str, str] | None:
+  """``(leaf path, axis)`` of the first leaf of ``tree`` that is invariant over one of
+  ``axes`` (replicated there), or ``None``; always ``None`` without varying-axes typing."""
   if not vma_checked(axes):
-    return
+    return None
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     invariant = [axis for axis in axes if axis not in jax.typeof(leaf).mat.varying]
     if invariant:
-      raise ValueError(
-          f"{caller}: gradient leaf {jax.tree_util.keystr(path) or '<root>'} is not varying "
-          f"over mesh axis {invariant[0]!r}: it was already reduced over it, which is what "
-          "jax.grad does to gradients of replicated parameters inside shard_map. Take "
-          "per-device gradients with jaxcomm.local_grad(loss_fn)(params, batch) (or "
-          f"differentiate jax.lax.pcast(params, {tuple(axes)!r}, to='varying')).")
+      return jax.tree_util.keystr(path), invariant[0]
+  return None

@@ -31,11 +31,16 @@ class OneBitAdamState(NamedTuple):
   residuals: tuple
 
 
-def onebit_levels(fast_axis: str, slow_axis: str) -> tuple:
-  """Full precision over ``fast_axis``, 1-bit scaled sign over ``slow_axis`` (two-phase)."""
+def adam_setup(b1: float, b2: float, eps: float, fast_axis: str, slow_axis: str) -> tuple:
+  """Validated ``(b1, b2, eps, onebit_levels, dense_levels)`` of the 1-bit Adams: 1-bit
+  levels are full precision over ``fast_axis`` and scaled sign (two-phase) over
+  ``slow_axis``; dense levels full precision over both."""
   if fast_axis == slow_axis:
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
-  return level(fast_axis), level(slow_axis, sign(), strategy="two_phase")
+  return (check_unit_interval("b1", b1), check_unit_interval("b2", b2),
+          check_float("eps", eps, inclusive=True),
+          (level(fast_axis), level(slow_axis, sign(), strategy="two_phase")),
+          (level(fast_axis), level(slow_axis)))
 
 
 def allreduce_leaves(leaves, states, levels, key):
@@ -90,10 +95,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
   """
   learning_rate = check_float("learning_rate", learning_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 1)
-  b1, b2 = check_unit_interval("b1", b1), check_unit_interval("b2", b2)
-  eps = check_float("eps", eps, inclusive=True)
-  compressed_levels = onebit_levels(fast_axis, slow_axis)
-  dense_levels = (level(fast_axis), level(slow_axis))
+  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
   axes = (fast_axis, slow_axis)
 
   def init(params) -> OneBitAdamState:

@@ -17,12 +17,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes, require_varying, vma_checked
-from jaxcomm.collectives.hierarchical import init_states, level
-from jaxcomm.compress.base import (check_float, check_float_tree, check_int_range,
-                                   check_unit_interval)
+from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
+from jaxcomm.collectives.hierarchical import init_states
+from jaxcomm.compress.base import check_float, check_float_tree, check_int_range
 from jaxcomm.optim.local_training import vary
-from jaxcomm.optim.onebit_adam import allreduce_leaves, onebit_levels
+from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
 # Branches of one step, in the order of the ``lax.switch``.
@@ -146,24 +145,18 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
   var_scaler = check_int_range("var_update_scaler", var_update_scaler, 1)
   sync_scaler = check_int_range("local_step_scaler", local_step_scaler, 1)
   clipper = check_int_range("local_step_clipper", local_step_clipper, 1)
-  b1, b2 = check_unit_interval("b1", b1), check_unit_interval("b2", b2)
-  eps = check_float("eps", eps, inclusive=True)
-  compressed_levels = onebit_levels(fast_axis, slow_axis)
-  dense_levels = (level(fast_axis), level(slow_axis))
+  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
   axes = (fast_axis, slow_axis)
 
   def init(params) -> ZeroOneAdamState:
     require_axes(axes, "zero_one_adam.init")
     check_float_tree(params, "params")
-    if vma_checked(axes):
-      for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-        replicated = [axis for axis in axes if axis not in jax.typeof(leaf).mat.varying]
-        if replicated:
-          raise ValueError(
-              f"zero_one_adam needs device-local parameters: params"
-              f"{jax.tree_util.keystr(path)} is replicated over mesh axis {replicated[0]!r}. "
-              "Give every device its own copy with jaxcomm.to_device_local and step it with "
-              "jaxcomm.local_training_step.")
+    replicated = first_invariant(params, axes)
+    if replicated:
+      raise ValueError(
+          f"zero_one_adam needs device-local parameters: params{replicated[0]} is "
+          f"replicated over mesh axis {replicated[1]!r}. Give every device its own copy "
+          "with jaxcomm.to_device_local and step it with jaxcomm.local_training_step.")
     as_float = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     zeros = jax.tree.map(jnp.zeros_like, as_float)
     int_zero = jnp.zeros((), jnp.int32)

@@ -1,22 +1,19 @@
 """Deep Gradient Compression: degenerate case, masking, warm-up, training, resume, bytes,
 errors; flat over every device and across hosts after a dense mean over the fast axis."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm import accounting
 from jaxcomm.compress.topk import topk_count
 from jaxcomm.optim.dgc import dgc
-from lowcomm_helpers import (AXES, DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
+from lowcomm_helpers import (DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
                              train)
+from measure_helpers import measure_update
 
 LR = 0.1
 
@@ -64,25 +61,13 @@ def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy, fast_axi
   chex.assert_trees_all_equal(two(params, state), two(params, numpy_roundtrip(state, specs, mesh)))
 
 
-def _measure(tx, params, mesh):
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
-  def step(grads, opt_state):
-    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
-
-  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
-  return accounting.measure(step, grads, state, mesh=mesh)
-
-
 @pytest.mark.parametrize("hosts, local", [(2, 4), (4, 2)])
 def test_across_hosts_only_the_top_k_of_each_shard_crosses_hosts(hosts, local):
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
   params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(42)}
   density = 0.01
-  hier = _measure(dgc(density, fast_axis="local"), params, mesh)
-  flat = _measure(dgc(density), params, mesh)
+  hier = measure_update(dgc(density, fast_axis="local"), params, mesh)
+  flat = measure_update(dgc(density), params, mesh)
   shards = [-(-p.size // local) for p in jax.tree.leaves(params)]
   k_shards = sum(topk_count((size,), density, None) for size in shards)
   assert hier.link_bytes()["host"] == hier.bytes_per_axes()[("host",)] \
