@@ -10,7 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import accounting
-from measure_helpers import measure_update
+from update_helpers import measure_update
 
 AXES = ("host", "local")
 

@@ -14,6 +14,7 @@ import jaxcomm
 from jaxcomm import accounting, costmodel
 from jaxcomm.accounting import Collective, CommReport
 from jaxcomm.links import Link
+from update_helpers import measure_update
 
 AXES = ("host", "local")
 # Powers of two, so every expected time below is exact in binary floating point.
@@ -220,16 +221,7 @@ def test_project_bytes_match_a_compiled_hierarchical_step(compressor):
   params = {"w": jnp.zeros((300, 40)), "b": jnp.zeros(41)}
   # The projection models the gradient traffic, not the 4-byte nonfinite='skip' agreement.
   tx = jaxcomm.compressed_allreduce(compressor, nonfinite="propagate")
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
-                     out_specs=(P(), specs))
-  def step(grads, opt_state):
-    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
-
-  grads = jax.tree.map(lambda p: jnp.zeros((mesh.size, *p.shape)), params)
-  measured = accounting.measure(step, grads, state, mesh=mesh).link_bytes()
+  measured = measure_update(tx, params, mesh).link_bytes()
   projected = costmodel.project([p.shape for p in params.values()], 2, 4, FAST, SLOW,
                                 compressor.wire_bytes)
   assert (projected.slow_bytes, projected.fast_bytes) == (measured["host"], measured["local"])

@@ -1,13 +1,11 @@
 """The planner: least modeled time within the error budget, and a policy that runs."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from update_helpers import update_fn
 
 AXES = ("host", "local")
 
@@ -43,13 +41,7 @@ def test_compressed_allreduce_runs_the_plan_and_sends_the_planned_bytes(hosts, l
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
   # The plan models the gradient exchange; leave out the non-finite agreement's 4-byte pmax.
   tx = jaxcomm.compressed_allreduce(result.policy, nonfinite="propagate")
-  state, specs = jaxcomm.sharded_init(tx, grads, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
-  def step(g, s):
-    return tx.update(jax.tree.map(lambda leaf: leaf[0], g), s)
-
+  state, step = update_fn(tx, grads, mesh)
   stacked = jax.tree.map(lambda g: jnp.stack([g] * 8), grads)
   report = jaxcomm.accounting.measure(step, stacked, state, mesh=mesh)
   assert report.link_bytes()["host"] == pytest.approx(sum(l.slow_bytes for l in result.leaves))

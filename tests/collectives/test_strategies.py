@@ -14,6 +14,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import accounting
 from jaxcomm.collectives import Bucket, init_states, level, pack, plan_buckets, unpack
+from update_helpers import update_fn
 
 AXES = ("host", "local")
 
@@ -139,14 +140,7 @@ def test_bucketing_issues_fewer_collectives_with_the_same_result():
   for bucket_bytes in (None, 1 << 20):
     tx = jaxcomm.compressed_allreduce(jaxcomm.identity(), feedback=False,
                                       bucket_bytes=bucket_bytes)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-    @jax.jit
-    @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
-                       out_specs=(P(), specs))
-    def step(g, s):
-      return tx.update(jax.tree.map(lambda leaf: leaf[0], g), s)
-
+    state, step = update_fn(tx, params, mesh)
     results.append(step(grads, state)[0])
     counts.append(accounting.measure(step, grads, state, mesh=mesh).count("reduce-scatter"))
   assert counts == [6, 1]

@@ -1,7 +1,6 @@
 """The launcher and the initialization helpers, with plain Python processes (no JAX job)."""
 
 import io
-import os
 import sys
 import time
 

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from update_helpers import update_fn
 from models.data import teacher_classification
 from models.mlp import classification_loss, init_mlp
 
@@ -144,13 +145,7 @@ def test_a_policy_compresses_only_the_leaves_it_chooses():
             "head": {"kernel": jnp.zeros((64, 8))}}
   chooser = jaxcomm.policy(jaxcomm.topk(0.1), rules=[(r"head", jaxcomm.sign())], min_bytes=0)
   tx = jaxcomm.compressed_allreduce(chooser)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))
-  def step(grads, opt_state):
-    return tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
-
+  state, step = update_fn(tx, params, mesh)
   grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(0), (8, *p.shape)), params)
   means, _ = step(grads, state)
   chex.assert_trees_all_close(means["dense"]["bias"], jnp.mean(grads["dense"]["bias"], 0),

@@ -13,7 +13,7 @@ from jaxcomm.compress.topk import topk_count
 from jaxcomm.optim.dgc import dgc
 from lowcomm_helpers import (DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
                              train)
-from measure_helpers import measure_update
+from update_helpers import measure_update
 
 LR = 0.1
 

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from update_helpers import apply_fn
 from models.data import teacher_classification
 from models.mlp import classification_loss, init_mlp
 
@@ -101,15 +102,7 @@ def test_coordinates_without_gradient_during_warm_up_stay_put_and_finite():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.onebit_adam(1e-2, warmup_steps=2)
   params = {"used": jnp.zeros(16), "unused": jnp.zeros(16)}
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXES)),
-                     out_specs=(P(), specs))
-  def step(params, opt_state, grads):
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  state, step = apply_fn(tx, params, mesh)
   for index in range(6):
     unused = jnp.zeros((8, 16)) if index < 2 else jnp.ones((8, 16))  # gradient after warm-up
     grads = {"used": jax.random.normal(jax.random.PRNGKey(index), (8, 16)), "unused": unused}

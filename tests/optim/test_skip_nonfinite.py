@@ -1,30 +1,15 @@
 """skip_nonfinite: a bad gradient on one device makes the whole chain skip, everywhere."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
 import optax
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+from update_helpers import apply_fn
 
 AXES = ("host", "local")
-
-
-def _step_fn(mesh, tx, params):
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXES)),
-                     out_specs=(P(), specs))
-  def step(params, opt_state, grads):
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
-  return state, step
 
 
 @pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
@@ -34,7 +19,7 @@ def test_adam_momentum_does_not_move_parameters_on_a_skipped_step(bad):
   chain = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.25), nonfinite="propagate"),
                       optax.adam(0.1))
   tx = jaxcomm.skip_nonfinite(chain, AXES)
-  state, step = _step_fn(mesh, tx, params)
+  state, step = apply_fn(tx, params, mesh)
   good = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, 4, 16))}
   params, state = step(params, state, good)  # momentum is now non-zero
   poisoned = {"w": good["w"].at[6, 1, 2].set(bad)}

@@ -1,7 +1,5 @@
 """0/1 Adam: thinning variance updates, 1-bit gradients, then local steps and 1-bit syncs."""
 
-import functools
-
 import chex
 import jax
 import numpy as np
@@ -14,6 +12,7 @@ from jaxcomm.optim.zero_one_adam import zero_one_adam
 
 from lowcomm_helpers import (AXES, DEVICES, batch, consensus, eval_loss, numpy_roundtrip,
                              problem, train)
+from update_helpers import apply_fn
 
 LR = 1e-2
 
@@ -120,15 +119,7 @@ def test_skip_nonfinite_makes_a_poisoned_step_a_no_op_in_every_kind_of_step():
   tx = jaxcomm.skip_nonfinite(zero_one_adam(0.1, var_freeze_step=3, var_update_scaler=1,
                                             local_step_scaler=1, local_step_clipper=2), AXES)
   params = jaxcomm.to_device_local({"w": np.ones((4, 16), np.float32)}, mesh)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh, P(AXES))
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs, P(AXES)),
-                     out_specs=(P(AXES), specs))
-  def step(params, opt_state, grads):
-    updates, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
-
+  state, step = apply_fn(tx, params, mesh, P(AXES))
   good = [{"w": jax.random.normal(jax.random.PRNGKey(t), (DEVICES, 4, 16))} for t in range(7)]
   for poisoned_step in range(1, 7):
     p, s = params, state

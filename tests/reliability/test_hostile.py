@@ -5,7 +5,6 @@ pytrees (empty, nested, None leaves) and configurations, for every compressor fa
 ``jaxcomm.compress``, the collectives and ``compressed_allreduce``.
 """
 
-import functools
 import math
 
 import jax
@@ -14,10 +13,10 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import compress
+from update_helpers import update_fn
 
 SETTINGS = settings(deadline=None, max_examples=20, derandomize=True)
 AXES = ("host", "local")
@@ -130,15 +129,7 @@ def test_compressed_allreduce_on_any_pytree(spec, name, seed):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(**ALLREDUCE[name])
   params = jax.tree.map(lambda g: jnp.zeros(g.shape[1:], g.dtype), grads)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
-                     out_specs=(P(AXES), specs))
-  def update(grads, state):
-    means, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda m: m[None], means), state
-
+  state, update = update_fn(tx, params, mesh, every_device=True)
   means, _ = update(grads, state)
   assert jax.tree.structure(means) == jax.tree.structure(grads)
   for mean, grad in zip(jax.tree.leaves(means), jax.tree.leaves(grads)):

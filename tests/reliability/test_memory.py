@@ -1,12 +1,8 @@
 """Residual memory per compressed level: at most one gradient copy; bf16 halves it."""
 
-import functools
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 import pytest
-from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.collectives import level

@@ -1,7 +1,5 @@
 """Non-finite gradients: skip together, zero, or propagate; residuals never poisoned."""
 
-import functools
-
 import chex
 import jax
 import jax.numpy as jnp
@@ -12,6 +10,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import accounting
+from update_helpers import update_fn
 from models.data import teacher_classification
 from models.mlp import classification_loss, init_mlp
 
@@ -38,15 +37,7 @@ def _runner(nonfinite, config):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(nonfinite=nonfinite, **config)
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
-                     out_specs=(P(AXES), specs))
-  def update(grads, state):
-    means, state = tx.update(jax.tree.map(lambda g: g[0], grads), state)
-    return jax.tree.map(lambda m: m[None], means), state  # every device's own result
-
+  state, update = update_fn(tx, params, mesh, every_device=True)  # each device's result
   return update, state
 
 
