@@ -33,6 +33,16 @@ def _style(index: int) -> dict:
           "linestyle": ("-", "--", ":")[index // 10 % 3]}
 
 
+def _finish(figure, axes, title: str, path: str) -> None:
+  """Title, grid and legend; writes ``path`` and closes the figure."""
+  axes.set_title(title)
+  axes.grid(True, which="both", alpha=0.3)
+  axes.legend(fontsize=8, ncol=2)
+  figure.tight_layout()
+  figure.savefig(path, dpi=110)
+  plt.close(figure)
+
+
 def loss_vs_bytes(rows: list[dict], path: str, title: str) -> None:
   """Trailing-mean training loss against cumulative inter-host bytes per device."""
   figure, axes = plt.subplots(figsize=(9, 5.5))
@@ -43,12 +53,7 @@ def loss_vs_bytes(rows: list[dict], path: str, title: str) -> None:
   axes.set_xscale("log")
   axes.set_xlabel("cumulative inter-host bytes sent per device")
   axes.set_ylabel(f"training loss ({rows[0]['window']}-step trailing mean)")
-  axes.set_title(title)
-  axes.grid(True, which="both", alpha=0.3)
-  axes.legend(fontsize=8, ncol=2)
-  figure.tight_layout()
-  figure.savefig(path, dpi=110)
-  plt.close(figure)
+  _finish(figure, axes, title, path)
 
 
 def _bandwidth_plot(curves: dict[str, list[float]], path: str, title: str, ylabel: str) -> None:
@@ -61,12 +66,7 @@ def _bandwidth_plot(curves: dict[str, list[float]], path: str, title: str, ylabe
   axes.set_yscale("log")
   axes.set_xlabel(f"inter-host bandwidth per device, GB/s (latency {SWEEP_LATENCY_S * 1e6:g} us)")
   axes.set_ylabel(ylabel)
-  axes.set_title(title)
-  axes.grid(True, which="both", alpha=0.3)
-  axes.legend(fontsize=8, ncol=2)
-  figure.tight_layout()
-  figure.savefig(path, dpi=110)
-  plt.close(figure)
+  _finish(figure, axes, title, path)
 
 
 def step_time_vs_bandwidth(rows: list[dict], path: str, title: str) -> None:

@@ -1,11 +1,12 @@
 """The CIFAR-style ResNet has the expected shapes and fits the generated template images."""
 
 import jax
-import optax
 import pytest
 from flax import nnx
 
 from models import resnet
+
+from fit_helpers import adam_losses
 
 
 def _count(params):
@@ -32,17 +33,5 @@ def test_small_resnet_learns_the_templates():
   graphdef, params = resnet.init_resnet((8, 16), blocks=1)
   loss_fn = resnet.image_loss(graphdef)
   batch = resnet.template_images(0, 64, size=16)
-  tx = optax.adam(1e-2)
-  state = tx.init(params)
-
-  @jax.jit
-  def step(params, state):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, state = tx.update(grads, state)
-    return optax.apply_updates(params, updates), state, loss
-
-  first = None
-  for _ in range(30):
-    params, state, loss = step(params, state)
-    first = first if first is not None else float(loss)
-  assert float(loss) < 0.7 * first  # 2.5 -> 1.6 nats measured
+  losses = adam_losses(loss_fn, params, batch, steps=30)
+  assert losses[-1] < 0.7 * losses[0]  # 2.5 -> 1.6 nats measured
