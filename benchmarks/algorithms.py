@@ -25,20 +25,8 @@ def algorithms(lr: float):
   import optax
 
   import jaxcomm
+  from benchmarks.scan.methods import onebit_branch_fractions, zero_one_branch_fractions
   from jaxcomm import optim
-  freeze = 50  # 0/1 Adam's last variance step
-
-  def onebit_fractions(state):
-    """``[1-bit, warm-up]`` (``lax.cond`` puts its false branch first)."""
-    steps = int(state.count)
-    return [(steps - min(steps, 20)) / steps, min(steps, 20) / steps]
-
-  def zero_one_fractions(state):
-    """Steps per branch ``[variance, 1-bit, local, sync]`` from the counters."""
-    steps, rounds, variance = int(state.count), int(state.rounds), int(state.var_updates)
-    before = min(steps, freeze)
-    return [c / steps for c in (variance, before - variance, steps - rounds, rounds - before)]
-
   # name -> (transformation, device-local params?, executions per step of its collectives:
   # a rate, or fractions(final state) of the branches of the step's one conditional)
   return {
@@ -69,10 +57,10 @@ def algorithms(lr: float):
       "accumulate k=4 topk-ef": (optim.accumulate_gradients(optax.chain(
           jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)), optax.sgd(lr)), 4), False, 1 / 4),
       "1-bit Adam, 20 warm-up": (optim.onebit_adam(3e-3, warmup_steps=20), False,
-                                 onebit_fractions),
+                                 lambda state: onebit_branch_fractions(int(state.count), 20)),
       "0/1 Adam, freeze 50": (optim.zero_one_adam(
-          3e-3, var_freeze_step=freeze, var_update_scaler=8, local_step_scaler=10,
-          local_step_clipper=8), True, zero_one_fractions),
+          3e-3, var_freeze_step=50, var_update_scaler=8, local_step_scaler=10,
+          local_step_clipper=8), True, zero_one_branch_fractions),
   }
 
 

@@ -262,11 +262,16 @@ def _onebit_warmup(setting: Setting) -> int:
   return max(1, setting.steps // 10)
 
 
-def _onebit_fractions(setting: Setting, state) -> list[float]:
-  """``[1-bit, warm-up]``: ``lax.cond`` puts its false branch first."""
-  steps = int(state.count)
-  warmup = min(steps, _onebit_warmup(setting))
+def onebit_branch_fractions(steps: int, warmup_steps: int) -> list[float]:
+  """Shares of 1-bit Adam's ``lax.cond`` branches over ``steps``, ``[1-bit, warm-up]``
+  (``lax.cond`` puts its false branch first)."""
+  warmup = min(steps, warmup_steps)
   return [(steps - warmup) / steps, warmup / steps]
+
+
+def zero_one_branch_fractions(state) -> list[float]:
+  """Shares of 0/1 Adam's ``lax.switch`` branches, from its final state."""
+  return [int(n) / int(state.count) for n in state.steps_per_kind]
 
 
 def _zero_one_adam() -> Method:
@@ -278,14 +283,6 @@ def _zero_one_adam() -> Method:
         setting.lr, var_freeze_step=max(1, setting.steps // 4), var_update_scaler=8,
         local_step_scaler=max(1, setting.steps // 30), local_step_clipper=clipper)
 
-  def fractions(setting, state) -> list[float]:
-    """Steps per branch ``[variance, 1-bit, local, sync]`` from the final state's counters."""
-    steps, rounds = int(state.count), int(state.rounds)
-    before_freeze = min(steps, max(1, setting.steps // 4))
-    variance = int(state.var_updates)
-    counts = [variance, before_freeze - variance, steps - rounds, rounds - before_freeze]
-    return [count / steps for count in counts]
-
   def project(setting, shapes, hosts, local, fast, slow):
     comm = projection.hierarchical(shapes, hosts, local, fast, slow, jaxcomm.sign(),
                                    "two_phase")
@@ -295,7 +292,7 @@ def _zero_one_adam() -> Method:
                 "1-bit gradients between, frozen after 1/4 of the run; then local Adam steps "
                 f"and 1-bit syncs at gaps doubling up to {clipper}; projected at that gap",
                 build, project, make_step=jaxcomm.local_training_step, device_local=True,
-                branch_fractions=fractions)
+                branch_fractions=lambda setting, state: zero_one_branch_fractions(state))
 
 
 def _entries() -> list[Method]:
@@ -347,7 +344,8 @@ def _entries() -> list[Method]:
              lambda s: jaxcomm.onebit_adam(s.lr, warmup_steps=_onebit_warmup(s)),
              lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
                  shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase"),
-             branch_fractions=_onebit_fractions),
+             branch_fractions=lambda s, state: onebit_branch_fractions(int(state.count),
+                                                                       _onebit_warmup(s))),
       _zero_one_adam(),
   ] + _device_local_methods(8) + _data_parallel_schemes(4, 2)
 

@@ -12,7 +12,8 @@ import optax
 
 from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import check_float, check_fraction, check_int_range
+from jaxcomm.compress.base import (check_float, check_fraction, check_int_range,
+                                   check_unit_interval)
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
 from jaxcomm.optim.local_training import device_count, manual_axes, vary
@@ -108,9 +109,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   stages = tuple(check_fraction("warmup_densities", d) for d in warmup_densities)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 0)
   densities = (stages if warmup_steps else ()) + (density,)
-  momentum = check_float("momentum", momentum, minimum=0.0, inclusive=True)
-  if momentum >= 1.0:
-    raise ValueError(f"momentum must be in [0, 1), got {momentum}.")
+  momentum = check_unit_interval("momentum", momentum)
   if clip_norm is not None:
     clip_norm = check_float("clip_norm", clip_norm)
   if strategy not in ("gather", "two_phase"):

@@ -42,9 +42,11 @@ class ZeroOneAdamState(NamedTuple):
     weight_sum: float32 sum of the local steps' weights ``lr_t / (1 - b1^t)`` since the last
       synchronization.
     local_steps: int32 local steps since the last synchronization.
-    var_updates: int32 variance updates so far (the variance's bias correction).
     next_var_step: int32 1-based step of the next variance update.
-    rounds: int32 steps that communicated (dense or 1-bit): ``count - rounds`` were skipped.
+    steps_per_kind: int32 ``(4,)``: steps taken of each kind, in the order variance, 1-bit,
+      local, synchronization (the branches of the step's ``lax.switch``, so
+      ``steps_per_kind / count`` weighs their bytes in
+      ``CommReport.link_bytes(branch_weights=...)``).
     residuals: per leaf, the two-phase worker and server residuals over the slow axis.
   """
   count: jax.Array
@@ -53,10 +55,19 @@ class ZeroOneAdamState(NamedTuple):
   anchor: Any
   weight_sum: jax.Array
   local_steps: jax.Array
-  var_updates: jax.Array
   next_var_step: jax.Array
-  rounds: jax.Array
+  steps_per_kind: jax.Array
   residuals: tuple
+
+  @property
+  def var_updates(self) -> jax.Array:
+    """Variance updates so far (the variance's bias correction)."""
+    return self.steps_per_kind[VARIANCE]
+
+  @property
+  def rounds(self) -> jax.Array:
+    """Steps that communicated (dense or 1-bit): ``count - rounds`` were skipped."""
+    return self.count - self.steps_per_kind[LOCAL]
 
 
 def _doubling(steps: jax.Array, every: int) -> jax.Array:
@@ -164,7 +175,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
         count=int_zero, mu=zeros, nu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
                                                   params),
         anchor=as_float, weight_sum=jnp.zeros((), jnp.float32), local_steps=int_zero,
-        var_updates=int_zero, next_var_step=int_zero + 1, rounds=int_zero,
+        next_var_step=int_zero + 1, steps_per_kind=jnp.zeros((4,), jnp.int32),
         residuals=tuple(init_states(compressed_levels, leaf.size, jnp.float32)
                         for leaf in jax.tree.leaves(params)))
 
@@ -181,67 +192,67 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     t = state.count + 1
     weight = schedule(state.count) / (1 - b1 ** t.astype(jnp.float32))
     key = jax.random.fold_in(jax.random.PRNGKey(0), state.count)
-    var_updates = state.var_updates + ((t <= freeze) & (t == state.next_var_step))
+    frozen = t > freeze
+    var_step = ~frozen & (t == state.next_var_step)
+    var_updates = state.var_updates + var_step
+    gap = jnp.minimum(_doubling(t - freeze - 1, sync_scaler), clipper)
+    sync = frozen & (state.local_steps + 1 >= gap)
+    kind = jnp.where(frozen, jnp.where(sync, SYNC, LOCAL), jnp.where(var_step, VARIANCE, ONEBIT))
 
-    def denominators(variances, updates):
-      correction = 1 - b2 ** jnp.maximum(updates, 1).astype(jnp.float32)
+    def momenta(gradients):
+      return [b1 * m + (1 - b1) * g for m, g in zip(mu, gradients)]
+
+    def denominators(variances):
+      correction = 1 - b2 ** jnp.maximum(var_updates, 1).astype(jnp.float32)
       return [jnp.sqrt(v / correction) + eps for v in variances]
 
-    def adam_step(params_, momenta, variances):
+    def adam_step(params_, momenta_, variances, scales):
       """``params - w_t m / (sqrt(v_hat) + eps)``, zero where the variance is 0."""
-      return [jnp.where(v > 0, p - weight * m / d, p) for p, m, v, d in
-              zip(params_, momenta, variances, denominators(variances, var_updates))]
+      return [jnp.where(v > 0, p - weight * m / d, p)
+              for p, m, v, d in zip(params_, momenta_, variances, scales)]
 
     def synchronous(new_mu, new_nu, residuals):
       """Steps before the freeze: every device applies the same update to the anchor."""
       new_mu = [vary(m, axes) for m in new_mu]
-      new_anchor = adam_step(anchor, new_mu, new_nu)
+      new_anchor = adam_step(anchor, new_mu, new_nu, denominators(new_nu))
       return new_anchor, new_mu, new_nu, new_anchor, jnp.zeros((), jnp.float32), residuals
 
     def variance_step(residuals):
       averaged, _ = allreduce_leaves(grad_leaves, [((), ())] * len(mu), dense_levels, key)
-      return synchronous([b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)],
+      return synchronous(momenta(averaged),
                          [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)], residuals)
 
     def onebit_step(residuals):
       averaged, residuals = allreduce_leaves(grad_leaves, residuals, compressed_levels, key)
-      return synchronous([b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)], nu, residuals)
+      return synchronous(momenta(averaged), nu, residuals)
 
     def local_step(residuals):
-      new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, grad_leaves)]
-      return (adam_step(local, new_mu, nu), new_mu, nu, anchor, state.weight_sum + weight,
-              residuals)
+      new_mu = momenta(grad_leaves)
+      return (adam_step(local, new_mu, nu, denominators(nu)), new_mu, nu, anchor,
+              state.weight_sum + weight, residuals)
 
     def sync_step(residuals):
-      stepped, _, _, _, weight_sum, residuals = local_step(residuals)
+      scales = denominators(nu)
+      stepped = adam_step(local, momenta(grad_leaves), nu, scales)
       residuals = jax.tree.map(lambda r: jnp.where(t == freeze + 1, jnp.zeros_like(r), r),
                                residuals)
-      scales = denominators(nu, var_updates)
       accumulated = [(a - p) * d for a, p, d in zip(anchor, stepped, scales)]
       averaged, residuals = allreduce_leaves(accumulated, residuals, compressed_levels, key)
       new_anchor = [vary(jnp.where(v > 0, a - u / d, a), axes)
                     for a, u, v, d in zip(anchor, averaged, nu, scales)]
-      new_mu = [vary(u / weight_sum, axes) for u in averaged]
+      new_mu = [vary(u / (state.weight_sum + weight), axes) for u in averaged]
       return new_anchor, new_mu, nu, new_anchor, jnp.zeros((), jnp.float32), residuals
 
-    frozen = t > freeze
-    gap = jnp.minimum(_doubling(t - freeze - 1, sync_scaler), clipper)
-    sync = frozen & (state.local_steps + 1 >= gap)
-    kind = jnp.where(frozen, jnp.where(sync, SYNC, LOCAL),
-                     jnp.where(var_updates > state.var_updates, VARIANCE, ONEBIT))
     new_local, new_mu, new_nu, new_anchor, weight_sum, residuals = jax.lax.switch(
         kind, [variance_step, onebit_step, local_step, sync_step], state.residuals)
-
-    var_step = var_updates > state.var_updates
-    next_var_step = jnp.where(var_step, t + _doubling(var_updates, var_scaler),
-                              state.next_var_step)
     updates = [(new - old).astype(p.dtype) for new, old, p in
                zip(new_local, local, treedef.flatten_up_to(params))]
     return treedef.unflatten(updates), ZeroOneAdamState(
         count=t, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu),
         anchor=treedef.unflatten(new_anchor), weight_sum=weight_sum,
         local_steps=jnp.where(frozen & ~sync, state.local_steps + 1, 0),
-        var_updates=var_updates, next_var_step=next_var_step,
-        rounds=state.rounds + (kind != LOCAL), residuals=residuals)
+        next_var_step=jnp.where(var_step, t + _doubling(var_updates, var_scaler),
+                                state.next_var_step),
+        steps_per_kind=state.steps_per_kind.at[kind].add(1), residuals=residuals)
 
   return optax.GradientTransformation(init, update)
