@@ -186,7 +186,8 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     require_varying(grads, axes, "zero_one_adam.update")
     grad_leaves, treedef = jax.tree.flatten(
         jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-    local = [p.astype(jnp.float32) for p in treedef.flatten_up_to(params)]
+    param_leaves = treedef.flatten_up_to(params)
+    local = [p.astype(jnp.float32) for p in param_leaves]
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
     anchor = treedef.flatten_up_to(state.anchor)
     t = state.count + 1
@@ -246,7 +247,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     new_local, new_mu, new_nu, new_anchor, weight_sum, residuals = jax.lax.switch(
         kind, [variance_step, onebit_step, local_step, sync_step], state.residuals)
     updates = [(new - old).astype(p.dtype) for new, old, p in
-               zip(new_local, local, treedef.flatten_up_to(params))]
+               zip(new_local, local, param_leaves)]
     return treedef.unflatten(updates), ZeroOneAdamState(
         count=t, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu),
         anchor=treedef.unflatten(new_anchor), weight_sum=weight_sum,
