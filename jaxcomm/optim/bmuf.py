@@ -7,10 +7,9 @@ from typing import NamedTuple
 import jax
 import optax
 
-from jaxcomm.compress.base import (check_bool, check_float, check_int_range,
-                                   check_unit_interval)
-from jaxcomm.optim.local_training import device_count, manual_axes
+from jaxcomm.mesh_axes import device_count, manual_axes
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_bool, check_float, check_int_range, check_unit_interval
 
 
 class BlockMomentumState(NamedTuple):

@@ -11,10 +11,10 @@ import numpy as np
 import optax
 
 from jaxcomm.collectives.axes import require_axes, require_varying
-from jaxcomm.compress.base import (check_bool, check_float, check_float_tree, check_int_range,
-                                   check_unit_interval)
-from jaxcomm.optim.local_training import manual_axes, vary
+from jaxcomm.mesh_axes import manual_axes, vary
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import (check_bool, check_float, check_float_tree, check_int_range,
+                                check_unit_interval)
 
 MAX_CHUNK = 256  # a 256 x 256 block has 65536 coefficients: indices fit in uint16
 

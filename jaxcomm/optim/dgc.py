@@ -13,11 +13,10 @@ import optax
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import (check_float, check_fraction, check_int_range,
-                                   check_unit_interval)
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
-from jaxcomm.optim.local_training import device_count, manual_axes, vary
+from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%
 

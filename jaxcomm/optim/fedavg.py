@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range
-from jaxcomm.optim.local_training import device_count, device_index
+from jaxcomm.mesh_axes import device_count, device_index
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_float, check_int_range
 
 
 def _check_sizes(client_sizes) -> np.ndarray | None:

@@ -9,9 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.compress.base import Compressor, check_float
+from jaxcomm.compress.base import Compressor
 from jaxcomm.compress.delta import delta_encode
-from jaxcomm.optim.local_training import device_count, device_index, manual_axes
+from jaxcomm.mesh_axes import device_count, device_index, manual_axes
+from jaxcomm.validation import check_float
 
 GRAPHS = ("ring", "torus", "hypercube", "exponential", "complete", "random")
 

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import check_float, check_int_range
 from jaxcomm.optim.nonfinite import any_nonfinite, has_nonfinite
+from jaxcomm.validation import check_float, check_int_range
 
 
 class DynamicLossScaleState(NamedTuple):

@@ -11,9 +11,9 @@ import optax
 from jaxcomm.accounting import warmup as warmup_phase
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
-from jaxcomm.compress.base import check_float, check_float_tree, check_int_range, check_unit_interval
 from jaxcomm.compress.sign import sign
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import check_float, check_float_tree, check_int_range, check_unit_interval
 
 
 class OneBitAdamState(NamedTuple):

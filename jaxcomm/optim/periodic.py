@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
-from jaxcomm.optim.local_training import device_count, manual_axes, vary
+from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
 WeightFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 

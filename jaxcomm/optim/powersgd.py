@@ -11,11 +11,12 @@ import optax
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
-from jaxcomm.compress.base import (check_float, check_float_input, check_float_tree,
-                                   check_int_range, psum_payload)
+from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
+from jaxcomm.mesh_axes import vary
 from jaxcomm.optim.nonfinite import skip_nonfinite
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import check_float, check_float_input, check_float_tree, check_int_range
 
 
 class PowerSGDAllReduceState(NamedTuple):
@@ -93,7 +94,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
       if not factorized(leaf.shape):
         states.append(())
         continue
-      residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+      residual = vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
       states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
                                       residual=residual))
     return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
@@ -207,7 +208,7 @@ def leaf_allreduce(compressor, *, feedback: bool, fast_axis: str,
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
     residual = tuple(
-        jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+        vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
         if feedback else () for leaf in leaves)
     return LeafAllReduceState(tuple(compressor.init(leaf.shape, jnp.float32) for leaf in leaves),
                               residual)

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
 
 class SlowMomentumState(NamedTuple):

@@ -19,10 +19,10 @@ import optax
 
 from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
 from jaxcomm.collectives.hierarchical import init_states
-from jaxcomm.compress.base import check_float, check_float_tree, check_int_range
-from jaxcomm.optim.local_training import vary
+from jaxcomm.mesh_axes import vary
 from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import check_float, check_float_tree, check_int_range
 
 # Branches of one step, in the order of the ``lax.switch``.
 VARIANCE, ONEBIT, LOCAL, SYNC = range(4)
