@@ -3,6 +3,7 @@ naming the parameter, the value it got and what is allowed."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -83,3 +84,12 @@ def check_bool(name: str, value: Any) -> bool:
   if not isinstance(value, bool):
     raise TypeError(f"{name} must be a bool, got {value!r}.")
   return value
+
+
+def check_learning_rate(name: str, value: Any) -> Callable[[jax.Array], Any]:
+  """A learning rate as a schedule of the 0-based step: an optax schedule (any callable) as
+  it is, a finite float ``> 0`` as a constant."""
+  if callable(value):
+    return value
+  rate = check_float(name, value)
+  return lambda count: rate

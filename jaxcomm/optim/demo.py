@@ -14,7 +14,7 @@ from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.mesh_axes import manual_axes, vary
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import (check_bool, check_float, check_float_tree, check_int_range,
-                                check_unit_interval)
+                                check_learning_rate, check_unit_interval)
 
 MAX_CHUNK = 256  # a 256 x 256 block has 65536 coefficients: indices fit in uint16
 
@@ -184,8 +184,7 @@ def demo(learning_rate: float | optax.Schedule, *, beta: float = 0.999, chunk: i
   References:
     Peng, Quesnelle & Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, 2024.
   """
-  schedule = learning_rate if callable(learning_rate) else optax.constant_schedule(
-      check_float("learning_rate", learning_rate))
+  schedule = check_learning_rate("learning_rate", learning_rate)
   beta = check_unit_interval("beta", beta)
   chunk = check_int_range("chunk", chunk, 1, MAX_CHUNK)
   topk = check_int_range("topk", topk, 1)

@@ -16,6 +16,7 @@ from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
+from jaxcomm.keys import unread_key
 from jaxcomm.mesh_axes import device_count, manual_axes, vary
 from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 
@@ -42,7 +43,7 @@ class DGCState(NamedTuple):
 
 
 def dgc(density: float = 0.001, *, momentum: float = 0.9,
-        warmup_densities: Sequence[float] = PAPER_WARMUP, warmup_steps: int = 0,
+        warmup_densities: Sequence[float] = PAPER_WARMUP, warmup_stage_steps: int = 0,
         clip_norm: float | None = None, momentum_masking: bool = True,
         strategy: str = "gather", fast_axis: str | None = None) -> optax.GradientTransformation:
   """Deep Gradient Compression: flat over every device, or across hosts after a dense mean.
@@ -59,7 +60,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   where ``v`` was sent. The result is the mean over workers of the sent velocities (with
   ``fast_axis``, all-gathered back over it), identical on every device: chain
   ``optax.sgd(lr)`` (no momentum: it is already in ``u``) after it. During warm-up the density
-  follows ``warmup_densities``, ``warmup_steps`` steps each (an "epoch" in the paper), then
+  follows ``warmup_densities``, ``warmup_stage_steps`` steps each (an "epoch" in the paper), then
   ``density``.
 
   With ``density = 1`` and ``momentum_masking=False`` this is momentum SGD on the mean
@@ -85,7 +86,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     density: final fraction of each leaf (or shard) sent, in (0, 1].
     momentum: ``m`` in [0, 1).
     warmup_densities: densities of the warm-up stages, each in (0, 1].
-    warmup_steps: steps per warm-up stage; 0 disables the warm-up.
+    warmup_stage_steps: steps per warm-up stage; 0 disables the warm-up.
     clip_norm: global-norm threshold of the whole model (``None``: no clipping); each worker
       clips its own gradient at ``clip_norm / sqrt(N)``.
     momentum_masking: zero ``u`` where ``v`` was sent.
@@ -108,8 +109,8 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   """
   density = check_fraction("density", density)
   stages = tuple(check_fraction("warmup_densities", d) for d in warmup_densities)
-  warmup_steps = check_int_range("warmup_steps", warmup_steps, 0)
-  densities = (stages if warmup_steps else ()) + (density,)
+  stage_steps = check_int_range("warmup_stage_steps", warmup_stage_steps, 0)
+  densities = (stages if stage_steps else ()) + (density,)
   momentum = check_unit_interval("momentum", momentum)
   if clip_norm is not None:
     clip_norm = check_float("clip_norm", clip_norm)
@@ -132,7 +133,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
                     clip_norm, topo)
     u = [momentum * m + g for m, g in zip(jax.tree.leaves(state.momentum), grads32)]
     v = [acc + m for acc, m in zip(jax.tree.leaves(state.velocity), u)]
-    stage = jnp.minimum(state.count // max(warmup_steps, 1), len(densities) - 1)
+    stage = jnp.minimum(state.count // max(stage_steps, 1), len(densities) - 1)
     stages = [functools.partial(_sparse_step, c, topo.workers, strategy, momentum_masking)
               for c in compressors]
     means, u, v, server = jax.lax.switch(  # the last stage is the steady state
@@ -210,7 +211,7 @@ def _clip(grads32: list, clip_norm: float | None, topo: _Topology) -> list:
 def _exchange(compressor, velocity, server, workers, strategy: str):
   """``(sum over workers of the sent velocity, unsent velocity, server residual)``."""
   flat = velocity.reshape(-1)
-  key = jax.random.PRNGKey(0)  # top-k is deterministic
+  key = unread_key()
   if strategy == "gather":
     unsent = ErrorFeedbackState(jnp.zeros_like(flat), (), jnp.ones((1,), jnp.bool_))
     total, state = strategies.gather_sum(flat, compressor, unsent, key, workers)

@@ -11,6 +11,7 @@ import optax
 
 from jaxcomm.compress.base import Compressor
 from jaxcomm.compress.delta import delta_encode
+from jaxcomm.keys import as_key, check_seed
 from jaxcomm.mesh_axes import device_count, device_index, manual_axes
 from jaxcomm.validation import check_float
 
@@ -89,7 +90,8 @@ def _from_matrix(w: np.ndarray) -> list[np.ndarray]:
 
 def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
            mixing_matrix=None, compressor: Compressor | None = None,
-           consensus_step: float = 1.0, seed: int = 0) -> optax.GradientTransformation:
+           consensus_step: float = 1.0,
+           seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """Decentralized SGD: a local step of ``inner``, then mixing with neighbors only.
 
   Exact gossip: ``x_i <- sum_j W_ij x_j^{+}`` over ``x^{+} = x + inner update`` (adapt, then
@@ -119,7 +121,8 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
       gives device ``j``.
     compressor: a stateless :class:`~jaxcomm.Compressor` for CHOCO-SGD; ``None``: exact.
     consensus_step: CHOCO-SGD's ``gamma`` in (0, 1].
-    seed: seed of the shared key.
+    seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      shared key.
 
   Returns:
     An ``optax.GradientTransformation`` for device-local parameters.
@@ -136,6 +139,7 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
   if compressor is not None:
     _check_choco(compressor, random_graph=matrix is None and graph == "random")
   consensus_step = check_float("consensus_step", consensus_step)
+  seed = check_seed("seed", seed)
   if consensus_step > 1.0:
     raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}.")
 
@@ -143,7 +147,7 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
     manual_axes("gossip.init")
     zeros = None if compressor is None else jax.tree.map(jnp.zeros_like, params)
     return GossipState(inner=inner.init(params), public=zeros, neighborhood=zeros,
-                       key=jax.random.PRNGKey(seed), count=jnp.zeros((), jnp.int32))
+                       key=as_key(seed), count=jnp.zeros((), jnp.int32))
 
   def update(grads, state: GossipState, params=None):
     if params is None:

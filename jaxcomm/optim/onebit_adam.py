@@ -12,8 +12,10 @@ from jaxcomm.accounting import warmup as warmup_phase
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
 from jaxcomm.compress.sign import sign
+from jaxcomm.keys import unread_key
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
-from jaxcomm.validation import check_float, check_float_tree, check_int_range, check_unit_interval
+from jaxcomm.validation import (check_float, check_float_tree, check_int_range, check_learning_rate,
+                                check_unit_interval)
 
 
 class OneBitAdamState(NamedTuple):
@@ -54,7 +56,7 @@ def allreduce_leaves(leaves, states, levels, key):
   return outputs, tuple(new_states)
 
 
-def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
+def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, fast_axis: str = LOCAL_AXIS,
                 slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """1-bit Adam over a ``(slow, fast)`` mesh, from per-device gradients to parameter updates.
@@ -77,7 +79,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
   ``2 (H-1)/H D/G`` at full precision during the warm-up.
 
   Args:
-    learning_rate: step size.
+    learning_rate: a float or an optax schedule of the 0-based step.
     warmup_steps: dense Adam steps before compression, >= 1 (the variance must be learned).
     b1: first-moment decay, in [0, 1).
     b2: second-moment decay, in [0, 1).
@@ -94,7 +96,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
     Convergence Speed", ICML 2021.
   """
-  learning_rate = check_float("learning_rate", learning_rate)
+  schedule = check_learning_rate("learning_rate", learning_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 1)
   b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
   axes = (fast_axis, slow_axis)
@@ -114,7 +116,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     require_varying(grads, axes, "onebit_adam.update")
     leaves, treedef = jax.tree.flatten(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-    key = jax.random.fold_in(jax.random.PRNGKey(0), state.count)
+    key = unread_key()  # the scaled sign is deterministic
     count = state.count + 1
 
     def warmup(operands):
@@ -130,15 +132,16 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
       new_mu, residuals = allreduce_leaves(local_momentum, residuals, compressed_levels, key)
       return new_mu, list(nu), residuals
 
-    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(warmup), compressed,
-                                             state.residuals)
+    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(warmup),
+                                             compressed, state.residuals)
     frozen_at = jnp.minimum(count, warmup_steps).astype(jnp.float32)
     mu_hat = 1 - b1 ** count.astype(jnp.float32)
     nu_hat = 1 - b2 ** frozen_at
     # A coordinate whose variance is still 0 (no gradient during the whole warm-up, e.g. an
     # unused embedding row) would be divided by eps once 1-bit momentum, which sends every
     # coordinate as +-scale, makes its momentum non-zero: it is not updated instead.
-    updates = [jnp.where(v > 0, -learning_rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps), 0.0)
+    rate = schedule(state.count)
+    updates = [jnp.where(v > 0, -rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps), 0.0)
                for m, v in zip(new_mu, new_nu)]
     updates = [u.astype(g.dtype) for u, g in zip(updates, jax.tree.leaves(grads))]
     return treedef.unflatten(updates), OneBitAdamState(

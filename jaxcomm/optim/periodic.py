@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
+from jaxcomm.keys import as_key, check_seed
 from jaxcomm.mesh_axes import device_count, manual_axes, vary
 from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
@@ -87,7 +88,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
                        fragments: int = 1, delay: int = 0, mixing: float = 0.0,
                        warmup_steps: int = 0, proximal: float = 0.0,
                        client_weight: WeightFn | None = None,
-                       seed: int = 0) -> optax.GradientTransformation:
+                       seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """The general form behind :func:`local_sgd`, :func:`diloco`, :func:`slowmo`, :func:`fedavg`.
 
   Step ``t`` (0-based): the inner optimizer updates this device's parameters (with the
@@ -113,7 +114,8 @@ def periodic_averaging(inner: optax.GradientTransformation,
     proximal: FedProx ``mu >= 0``.
     client_weight: ``client_weight(key, axes) -> w`` for this device, with weights summing to
       one over devices; ``None`` for the plain mean.
-    seed: seed of the shared PRNG key passed to ``client_weight``.
+    seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      shared key passed to ``client_weight``.
 
   Returns:
     An ``optax.GradientTransformation`` for device-local parameters (see
@@ -121,12 +123,13 @@ def periodic_averaging(inner: optax.GradientTransformation,
   """
   mixing = check_period(period, fragments, delay, mixing, warmup_steps)
   proximal = check_float("proximal", proximal, minimum=0.0, inclusive=True)
+  seed = check_seed("seed", seed)
   plan = _Plan(outer=outer, sync=compressed_allreduce() if sync is None else sync,
                period=period, fragments=fragments, delay=delay, mixing=mixing,
                warmup_steps=warmup_steps, client_weight=client_weight)
 
   def init(params) -> PeriodicState:
-    return _init_state(params, inner, plan, jax.random.PRNGKey(seed))
+    return _init_state(params, inner, plan, as_key(seed))
 
   def update(grads, state: PeriodicState, params=None):
     if params is None:

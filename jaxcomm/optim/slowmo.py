@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.optim.periodic import periodic_averaging
-from jaxcomm.validation import check_float, check_int_range, check_unit_interval
+from jaxcomm.validation import (check_float, check_int_range, check_learning_rate,
+                                check_unit_interval)
 
 
 class SlowMomentumState(NamedTuple):
@@ -39,8 +40,7 @@ def slow_momentum(base_learning_rate: float | optax.Schedule, beta: float, alpha
     alpha: slow learning rate ``> 0``.
     period: inner steps per outer step.
   """
-  schedule = base_learning_rate if callable(base_learning_rate) else \
-      (lambda step, lr=check_float("base_learning_rate", base_learning_rate): lr)
+  schedule = check_learning_rate("base_learning_rate", base_learning_rate)
 
   def init(params) -> SlowMomentumState:
     return SlowMomentumState(momentum=jax.tree.map(jnp.zeros_like, params),

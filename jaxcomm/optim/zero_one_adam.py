@@ -20,10 +20,11 @@ import optax
 
 from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
 from jaxcomm.collectives.hierarchical import init_states
+from jaxcomm.keys import unread_key
 from jaxcomm.mesh_axes import vary
 from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
-from jaxcomm.validation import check_float, check_float_tree, check_int_range
+from jaxcomm.validation import check_float_tree, check_int_range, check_learning_rate
 
 # Branches of one step, in the order of the ``lax.switch``.
 VARIANCE, ONEBIT, LOCAL, SYNC = range(4)
@@ -151,8 +152,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     Lu, Li, He, Tang, Zhang, Wang, Gao, Zhang & Yang, "Maximizing Communication Efficiency
     for Large-scale Training via 0/1 Adam", ICLR 2023.
   """
-  schedule = learning_rate if callable(learning_rate) else \
-      (lambda count, lr=check_float("learning_rate", learning_rate): lr)
+  schedule = check_learning_rate("learning_rate", learning_rate)
   freeze = check_int_range("var_freeze_step", var_freeze_step, 1)
   var_scaler = check_int_range("var_update_scaler", var_update_scaler, 1)
   sync_scaler = check_int_range("local_step_scaler", local_step_scaler, 1)
@@ -248,7 +248,7 @@ def _step_inputs(hyper: _Hyper, state: ZeroOneAdamState, grads, params, schedule
       mu=treedef.flatten_up_to(state.mu), nu=treedef.flatten_up_to(state.nu),
       anchor=treedef.flatten_up_to(state.anchor),
       weight=schedule(state.count) / (1 - hyper.b1 ** t), weight_sum=state.weight_sum,
-      key=jax.random.fold_in(jax.random.PRNGKey(0), state.count),
+      key=unread_key(),
       var_updates=state.var_updates + var_step, first_sync=state.count + 1 == freeze + 1)
   return step, treedef, param_leaves
 

@@ -110,6 +110,8 @@ def test_trains_the_mlp_close_to_synchronous_sgd_and_resumes_from_numpy(name, ba
     (lambda: fedavg(optax.sgd(LR), 2, client_sizes=[1, -2]), "client_sizes must be"),
     (lambda: fedavg(optax.sgd(LR), 2, clients_per_round=0), "clients_per_round must be >= 1"),
     (lambda: fedprox(optax.sgd(LR), 2, -0.1), "mu must be a finite float >= 0, got -0.1"),
+    (lambda: fedavg(optax.sgd(LR), 2, seed=jax.random.split(jax.random.key(0), 2)),
+     "seed must be an int seed, a jax.random.key"),
 ])
 def test_bad_arguments_raise_at_construction_naming_parameter_and_value(make, match):
   with pytest.raises((ValueError, TypeError), match=match):
