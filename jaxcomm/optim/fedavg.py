@@ -50,7 +50,7 @@ def client_weights(client_sizes: np.ndarray | None, clients_per_round: int | Non
 
 def fedavg(inner: optax.GradientTransformation, period: int, *,
            client_sizes: Sequence[float] | None = None, clients_per_round: int | None = None,
-           mu: float = 0.0, server_learning_rate: float = 1.0,
+           mu: float = 0.0, server_learning_rate: optax.ScalarOrSchedule = 1.0,
            sync: optax.GradientTransformation | None = None,
            seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """FedAvg (FedProx with ``mu > 0``): each device is a client.
@@ -74,7 +74,7 @@ def fedavg(inner: optax.GradientTransformation, period: int, *,
     client_sizes: per-client sample counts ``n_k`` (one per device); ``None``: equal.
     clients_per_round: clients sampled per round; ``None``: all.
     mu: FedProx proximal coefficient ``>= 0``.
-    server_learning_rate: ``> 0``.
+    server_learning_rate: a float ``> 0`` or an optax schedule of the round.
     sync: averaging transformation (default dense :func:`jaxcomm.compressed_allreduce`).
     seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
       shared client-sampling key.
@@ -91,7 +91,8 @@ def fedavg(inner: optax.GradientTransformation, period: int, *,
   if clients_per_round is not None:
     check_int_range("clients_per_round", clients_per_round, 1)
   sizes = _check_sizes(client_sizes)
-  server_learning_rate = check_float("server_learning_rate", server_learning_rate)
+  if not callable(server_learning_rate):
+    server_learning_rate = check_float("server_learning_rate", server_learning_rate)
   return periodic_averaging(inner, optax.sgd(server_learning_rate), period, sync=sync,
                             proximal=check_float("mu", mu, minimum=0.0, inclusive=True),
                             client_weight=client_weights(sizes, clients_per_round), seed=seed)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -54,6 +55,21 @@ def allreduce_leaves(leaves, states, levels, key):
     outputs.append(out)
     new_states.append(state)
   return outputs, tuple(new_states)
+
+
+def _dense_moments(leaves, mu, nu, b1: float, b2: float, levels, residuals):
+  """Warm-up: Adam's moments of the full-precision mean gradient; residuals untouched."""
+  averaged, _ = allreduce_leaves(leaves, [((), ())] * len(leaves), levels, unread_key())
+  new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)]
+  new_nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)]
+  return new_mu, new_nu, residuals
+
+
+def _onebit_momentum(leaves, mu, nu, b1: float, levels, residuals):
+  """After the warm-up: the 1-bit mean of the local momenta; the variance stays frozen."""
+  local_momentum = [b1 * m + (1 - b1) * g for m, g in zip(mu, leaves)]
+  new_mu, residuals = allreduce_leaves(local_momentum, residuals, levels, unread_key())
+  return new_mu, list(nu), residuals
 
 
 def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1: float = 0.9,
@@ -116,24 +132,11 @@ def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1:
     require_varying(grads, axes, "onebit_adam.update")
     leaves, treedef = jax.tree.flatten(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-    key = unread_key()  # the scaled sign is deterministic
     count = state.count + 1
-
-    def warmup(operands):
-      residuals = operands
-      averaged, _ = allreduce_leaves(leaves, [((), ())] * len(leaves), dense_levels, key)
-      new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)]
-      new_nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)]
-      return new_mu, new_nu, residuals
-
-    def compressed(operands):
-      residuals = operands
-      local_momentum = [b1 * m + (1 - b1) * g for m, g in zip(mu, leaves)]
-      new_mu, residuals = allreduce_leaves(local_momentum, residuals, compressed_levels, key)
-      return new_mu, list(nu), residuals
-
-    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(warmup),
-                                             compressed, state.residuals)
+    dense = functools.partial(_dense_moments, leaves, mu, nu, b1, b2, dense_levels)
+    onebit = functools.partial(_onebit_momentum, leaves, mu, nu, b1, compressed_levels)
+    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(dense), onebit,
+                                             state.residuals)
     frozen_at = jnp.minimum(count, warmup_steps).astype(jnp.float32)
     mu_hat = 1 - b1 ** count.astype(jnp.float32)
     nu_hat = 1 - b2 ** frozen_at

@@ -25,9 +25,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.keys import as_key, check_seed
 from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
 WeightFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]

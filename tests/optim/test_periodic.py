@@ -51,6 +51,16 @@ def test_fedprox_with_mu_zero_is_fedavg_and_mu_pulls_clients_together():
   assert spread(proximal) < 0.8 * spread(expected)
 
 
+def test_fedavg_server_learning_rate_may_be_a_schedule_of_the_round():
+  make = lambda rate: fedavg(optax.sgd(LR), 2, server_learning_rate=rate,
+                             client_sizes=range(1, 9), clients_per_round=5)
+  halving = optax.exponential_decay(1.0, 1, 0.5, staircase=True)  # round 0: 1.0, round 1: 0.5
+  chex.assert_trees_all_close(train(make(halving), 2, local=True)[0],
+                              train(make(1.0), 2, local=True)[0], atol=1e-7)
+  two_rounds = [jax.tree.leaves(train(make(rate), 4, local=True)[0])[0] for rate in (halving, 1.0)]
+  assert not np.allclose(*two_rounds, atol=1e-5)
+
+
 def test_fedavg_averages_a_sampled_subset_weighted_by_sample_count():
   sizes = np.arange(1.0, 9.0)
   clients = train(local_sgd(optax.sgd(LR), 100), 2, local=True)[0]  # each client's own w_k
@@ -109,6 +119,7 @@ def test_trains_the_mlp_close_to_synchronous_sgd_and_resumes_from_numpy(name, ba
     (lambda: slowmo(optax.sgd(LR), 4, LR, alpha=0.0), "alpha must be a finite float > 0"),
     (lambda: fedavg(optax.sgd(LR), 2, client_sizes=[1, -2]), "client_sizes must be"),
     (lambda: fedavg(optax.sgd(LR), 2, clients_per_round=0), "clients_per_round must be >= 1"),
+    (lambda: fedavg(optax.sgd(LR), 2, server_learning_rate="1"), "server_learning_rate must be"),
     (lambda: fedprox(optax.sgd(LR), 2, -0.1), "mu must be a finite float >= 0, got -0.1"),
     (lambda: fedavg(optax.sgd(LR), 2, seed=jax.random.split(jax.random.key(0), 2)),
      "seed must be an int seed, a jax.random.key"),
