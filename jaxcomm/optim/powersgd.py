@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -83,21 +84,9 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   axes = (fast_axis, slow_axis)
 
-  def factorized(shape) -> bool:
-    return compression_rate(tuple(shape), rank) >= min_compression_rate
-
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    states = []
-    for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
-      check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
-      if not factorized(leaf.shape):
-        states.append(())
-        continue
-      residual = vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
-      states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
-                                      residual=residual))
-    return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
+    return _init_state(params, rank, min_compression_rate, seed, slow_axis)
 
   def update(grads, state: PowerSGDAllReduceState, params=None):
     del params
@@ -108,9 +97,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
     host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
 
-    def dense(operands):
-      sums, states = operands
-      return [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums], list(states)
+    dense = functools.partial(_dense_sums, slow_axis)
 
     def compressed(operands):
       sums, states = operands
@@ -127,6 +114,28 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     return treedef.unflatten(means), PowerSGDAllReduceState(tuple(states), state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+def _init_state(params, rank: int, min_compression_rate: float, seed: int,
+                slow_axis: str) -> PowerSGDAllReduceState:
+  """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
+  ``()`` per leaf sent dense."""
+  states = []
+  for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+    check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    if compression_rate(tuple(leaf.shape), rank) < min_compression_rate:
+      states.append(())
+      continue
+    states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
+                                    residual=vary(jnp.zeros(leaf.shape, jnp.float32),
+                                                  (slow_axis,))))
+  return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
+
+
+def _dense_sums(slow_axis: str, operands):
+  """Warm-up: every host sum ``psum``-ed over ``slow_axis`` in float32; states untouched."""
+  sums, states = operands
+  return [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums], list(states)
 
 
 def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, residual_dtype,
