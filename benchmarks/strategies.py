@@ -49,9 +49,9 @@ def _compressor(name: str, hosts: int):
   return {
       "fp32": None,
       "bf16": None,
-      "int8-shared": jaxcomm.shared_quantize("host", hosts),
+      "int8-shared": jaxcomm.compress.shared_quantize("host", hosts),
       "randomk-1%": jaxcomm.randomk(0.01, shared=True),
-      "sketch": jaxcomm.count_sketch(4096, 3),
+      "sketch": jaxcomm.compress.count_sketch(4096, 3),
       "int8": jaxcomm.quantize(8),
       "sign": jaxcomm.sign(),
       "topk-1%": jaxcomm.topk(0.01),
@@ -92,7 +92,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   rows = []
   for strategy, name in PAIRS:
     tx = _allreduce(strategy, name, hosts)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes), specs),

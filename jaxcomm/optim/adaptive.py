@@ -54,7 +54,7 @@ class AdaptiveState(NamedTuple):
   """State of :func:`adaptive_allreduce`.
 
   Attributes:
-    allreduce: the shared :class:`~jaxcomm.CompressedAllReduceState` (its residuals are used
+    allreduce: the shared :class:`~jaxcomm.optim.CompressedAllReduceState` (its residuals are used
       by every level).
     controller: the controller's state, replicated.
     level: int32, the level the last step used (replicated).
