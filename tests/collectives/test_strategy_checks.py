@@ -3,7 +3,7 @@
 import pytest
 
 import jaxcomm
-from jaxcomm.collectives import level
+from jaxcomm.collectives import Dense, Gather, Linear, TwoPhase, level
 
 
 @pytest.mark.parametrize("build", [
@@ -18,8 +18,17 @@ def test_dense_with_a_compressor_raises_instead_of_running_gather(build, compres
     build(compressor)
 
 
-def test_dense_without_a_compressor_is_still_accepted():
-  assert level("host", strategy="dense").strategy == "dense"
+@pytest.mark.parametrize("name, value", [("dense", Dense()), ("gather", Gather()),
+                                         ("two_phase", TwoPhase()), ("linear", Linear())])
+def test_a_strategy_name_resolves_to_its_value(name, value):
+  compressor = None if name == "dense" else jaxcomm.identity()
+  assert level("host", compressor, strategy=name).strategy == value
+
+
+def test_an_unknown_strategy_names_the_allowed_ones():
+  with pytest.raises(ValueError, match=r"strategy must be one of dense, linear, gather, "
+                     r"two_phase, a strategy value .* got 'ring'"):
+    level("host", jaxcomm.identity(), strategy="ring")
 
 
 @pytest.mark.parametrize("build", [
