@@ -92,10 +92,6 @@ def _agreement_cost(compressor, shape: Shape, dtype: Any, axis_size: int) -> Cos
   return sum((ring_cost("all-reduce", nbytes, axis_size) for nbytes in agreed), NO_COST)
 
 
-def _name(compressor: Compressor | None) -> str:
-  return "full precision" if compressor is None else compressor.name
-
-
 def _with_feedback(compressor: Compressor, feedback: bool) -> Compressor:
   """The compressor as the gather and linear strategies run it: with error feedback when the
   level keeps it."""
@@ -272,7 +268,7 @@ class TwoPhase(NamedTuple):
 
 
 Strategy = Dense | Linear | Gather | TwoPhase
-BY_NAME = {"dense": Dense(), "linear": Linear(), "gather": Gather(), "two_phase": TwoPhase()}
+BY_NAME = {kind.name: kind() for kind in (Dense, Linear, Gather, TwoPhase)}
 STRATEGIES = tuple(BY_NAME)
 
 
@@ -291,7 +287,7 @@ def _gather_cost(implementation: str | None, payload_bytes: int, axis_size: int)
 
 def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
   """A strategy value from a name of :data:`STRATEGIES` (or a value, returned as it is)."""
-  if strategy is None or isinstance(strategy, (Dense, Linear, Gather, TwoPhase)):
+  if strategy is None or isinstance(strategy, Strategy):
     return strategy
   if isinstance(strategy, str) and strategy in BY_NAME:
     return BY_NAME[strategy]
@@ -342,12 +338,12 @@ def resolve(strategy: str | Strategy | None, compressor: Compressor | None,
   if strategy is not None:
     return strategy
   if compressor is None:
-    return BY_NAME["dense"]
+    return Dense()
   if compressor.linear:
-    return BY_NAME["linear"]
+    return Linear()
   if axis_size > 2 and compressor.unbiased and stateless(compressor):
-    return BY_NAME["two_phase"]
-  return BY_NAME["gather"]
+    return TwoPhase()
+  return Gather()
 
 
 def linear_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, axis: str):

@@ -59,7 +59,8 @@ LINEAR = [jaxcomm.identity(), jaxcomm.compress.randomk(0.1, scale=False),
 NONLINEAR = [jaxcomm.identity(), jaxcomm.topk(0.1), jaxcomm.sign(), jaxcomm.quantize(8),
              jaxcomm.terngrad(shared_scale=True)]
 CASES = ([(Dense(), None)] + [(Linear(), c) for c in LINEAR]
-         + [(s, c) for s in STRATEGIES[2:] for c in NONLINEAR])
+         + [(s, c) for s in (Gather(), TwoPhase()) for c in NONLINEAR]
+         + [(Gather("psum"), jaxcomm.topk(0.1)), (TwoPhase("psum"), jaxcomm.sign())])
 
 
 @pytest.mark.parametrize("strategy, compressor", CASES,

@@ -1,9 +1,11 @@
 """A strategy that cannot carry the compressor asked for is an error at construction."""
 
+import chex
+import jax
 import pytest
 
 import jaxcomm
-from jaxcomm.collectives import Dense, Gather, Linear, TwoPhase, level
+from jaxcomm.collectives import Dense, Gather, Linear, TwoPhase, TwoPhaseState, level
 
 
 @pytest.mark.parametrize("build", [
@@ -39,3 +41,13 @@ def test_an_unknown_strategy_names_the_allowed_ones():
 def test_a_matrix_compressor_on_a_flattened_level_raises(build):
   with pytest.raises(ValueError, match=r"powersgd\(2\) factorizes each gradient matrix"):
     build(jaxcomm.powersgd(2))
+
+
+def test_compressed_allreduce_takes_a_strategy_value_as_its_name():
+  by_value = jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy=TwoPhase())
+  by_name = jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy="two_phase")
+  mesh = jaxcomm.make_mesh(hosts=4, local=2)
+  params = {"w": jax.numpy.zeros((8, 5))}
+  states = [jaxcomm.sharded_init(tx, params, mesh)[0] for tx in (by_value, by_name)]
+  chex.assert_trees_all_equal_structs(*states)
+  assert isinstance(states[0].level_states[0][1], TwoPhaseState)
