@@ -272,8 +272,8 @@ def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,
   return shard[:size].reshape(x.shape), tuple(new_states)
 
 
-def cost(levels: Sequence[Level], size: int, axis_sizes: Mapping[str, int],
-         dtype: Any = jnp.float32) -> dict[str, Cost]:
+def hierarchical_cost(levels: Sequence[Level], size: int, axis_sizes: Mapping[str, int],
+                      dtype: Any = jnp.float32) -> dict[str, Cost]:
   """Steps and bytes per device on each level's axis of one :func:`hierarchical_allreduce`
   of ``size`` elements of ``dtype``, from each level's strategy ``cost``; nothing compiled.
 

@@ -295,7 +295,8 @@ def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
                    f"(Dense(), Linear(), Gather(), TwoPhase()) or None; got {strategy!r}.")
 
 
-def check_strategy(strategy: str | Strategy | None, compressor: Compressor | None) -> Strategy | None:
+def check_strategy(strategy: str | Strategy | None,
+                   compressor: Compressor | None) -> Strategy | None:
   """The strategy value, after checking at construction that it can carry ``compressor``.
 
   Args:

@@ -17,8 +17,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import accounting, costmodel
-from jaxcomm.collectives import Dense, Gather, Linear, TwoPhase, init_states, level
-from jaxcomm.collectives.hierarchical import cost
+from jaxcomm.collectives import (Dense, Gather, Linear, TwoPhase, hierarchical_cost, init_states,
+                                 level)
 
 STRATEGIES = [Dense(), Linear(), Gather(), Gather("psum"), TwoPhase(), TwoPhase("psum")]
 IDS = ["dense", "linear", "gather", "gather-psum", "two_phase", "two_phase-psum"]
@@ -72,7 +72,7 @@ def test_cost_formula_equals_the_compiled_bytes(strategy, compressor):
   levels = _levels(strategy, compressor)
   x = jax.ShapeDtypeStruct((8, size), jnp.float32)
   measured = accounting.measure(_allreduce(mesh, levels, size), x, mesh=mesh).link_bytes()
-  formula = cost(levels, size, dict(mesh.shape))
+  formula = hierarchical_cost(levels, size, dict(mesh.shape))
   assert {axis: c.nbytes for axis, c in formula.items()} == pytest.approx(measured, rel=1e-12)
 
 
@@ -82,7 +82,7 @@ def test_three_level_cost_equals_the_compiled_bytes():
             level("pod", jaxcomm.topk(0.5)))
   x = jax.ShapeDtypeStruct((8, 40), jnp.float32)
   measured = accounting.measure(_allreduce(mesh, levels, 40), x, mesh=mesh).link_bytes()
-  formula = cost(levels, 40, dict(mesh.shape))
+  formula = hierarchical_cost(levels, 40, dict(mesh.shape))
   assert {axis: c.nbytes for axis, c in formula.items()} == pytest.approx(measured)
 
 
@@ -95,7 +95,8 @@ def test_project_charges_the_slow_axis_what_the_strategy_costs(compressor, strat
   projected = costmodel.project(shapes, hosts, local, "nvlink4", "1gbe", compressor,
                                 strategy=strategy)
   levels = (level("local"), level("host", compressor, strategy=strategy))
-  per_leaf = [cost(levels, int(np.prod(s)), {"host": hosts, "local": local}) for s in shapes]
+  sizes = {"host": hosts, "local": local}
+  per_leaf = [hierarchical_cost(levels, int(np.prod(s)), sizes) for s in shapes]
   assert projected.slow_bytes == pytest.approx(sum(c["host"].nbytes for c in per_leaf))
   assert projected.slow_steps == sum(c["host"].steps for c in per_leaf)
 
