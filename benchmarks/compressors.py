@@ -17,8 +17,8 @@ Inputs and states are donated to the jitted call (a fresh copy is made, untimed,
 call), for the copy too: a gradient is dead once compressed, and without donation every
 16M-element call would pay for a fresh 64 MB output buffer (on this CPU backend such buffers
 are mapped and page-faulted anew each call, which makes a copy at 16M ten times slower than
-at 4M). ``shared_quantize`` and ``terngrad(scale_axis=...)`` need a bound axis: they run
-under ``jax.vmap`` over a one-device axis.
+at 4M). ``shared_quantize`` and ``terngrad(shared_scale=True)`` run alone (one device: the scale
+they would agree on is their own).
 
 Run ``python -m benchmarks.compressors --help`` for the flags.
 """
@@ -41,18 +41,6 @@ from jaxcomm.compress import (Compressor, adaptive_threshold, cast, compose, cou
                               threshold, topk)
 
 LINK_BYTES_PER_SECOND = 125e6  # 1 Gbit/s
-
-
-def on_axis(compressor: Compressor, axis: str) -> Compressor:
-  """``compressor`` run under ``jax.vmap`` over a one-device axis named ``axis``, for
-  compressors whose ``encode`` takes a ``pmax`` over a named axis."""
-
-  def encode(x, state, key):
-    payload, state = jax.vmap(lambda x: compressor.encode(x, state, key), axis_name=axis,
-                              out_axes=(0, None))(x[None])
-    return jax.tree.map(lambda leaf: leaf[0], payload), state
-
-  return compressor._replace(encode=encode)
 
 
 def catalog() -> list[Compressor]:
@@ -85,8 +73,8 @@ def catalog() -> list[Compressor]:
       adaptive_threshold(0.01),
       powersgd(4),
       count_sketch(1 << 14, 5, heavy=0.01),
-      on_axis(shared_quantize("data", 1), "data"),
-      on_axis(terngrad(scale_axis="data"), "data"),
+      shared_quantize(),
+      terngrad(shared_scale=True),
   ] + [error_feedback(compressor) for compressor in biased]
 
 

@@ -9,6 +9,9 @@ compressor needs between calls (residuals, warm-start factors) is an explicit py
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -64,6 +67,52 @@ class Compressor(NamedTuple):
   def needs_matrix(self) -> bool:
     """Whether the compressor works on each leaf's matrix, not on a flattened shard."""
     return self.matrix_method is not None
+
+  @property
+  def stateful(self) -> bool:
+    """Whether ``init`` makes state carried between calls (any array); the one place this is
+    probed (shapes only, nothing computed)."""
+    return bool(jax.tree.leaves(jax.eval_shape(lambda: self.init((1,), jnp.float32))))
+
+
+def _alone(value: jax.Array) -> jax.Array:
+  return value
+
+
+class AxisContext(NamedTuple):
+  """What the engine tells a compressor about the devices whose payloads it combines.
+
+  ``compress/`` knows nothing of meshes: a compressor that needs the other devices (an agreed
+  scale, the number of payloads a sum adds up) reads :func:`axis_context` inside ``encode`` and
+  ``decode``, and the engine (:mod:`jaxcomm.collectives.strategies`) sets it around every
+  exchange with :func:`combining`. Outside the engine a compressor works alone: one device.
+
+  Attributes:
+    size: the number ``n`` of devices whose payloads are combined.
+    agree_max: ``agree_max(value) -> value``, the maximum of ``value`` over those devices (the
+      engine runs a ``pmax``: ``2(n-1)/n`` times the value's bytes per device).
+  """
+  size: int = 1
+  agree_max: Callable[[jax.Array], jax.Array] = _alone
+
+
+_AXIS_CONTEXT: contextvars.ContextVar[AxisContext] = contextvars.ContextVar(
+    "jaxcomm_axis_context", default=AxisContext())
+
+
+def axis_context() -> AxisContext:
+  """The :class:`AxisContext` of the exchange being traced (one device outside the engine)."""
+  return _AXIS_CONTEXT.get()
+
+
+@contextlib.contextmanager
+def combining(context: AxisContext) -> Iterator[None]:
+  """While active, :func:`axis_context` is ``context`` (the engine's side of the contract)."""
+  token = _AXIS_CONTEXT.set(context)
+  try:
+    yield
+  finally:
+    _AXIS_CONTEXT.reset(token)
 
 
 def stateless_init(shape: Shape, dtype: Any) -> tuple[()]:
