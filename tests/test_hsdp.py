@@ -186,7 +186,7 @@ REFUSED = {
     "local_sgd": (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 2), "local_sgd"),
     "diloco": (lambda: jaxcomm.diloco(optax.adamw(1e-2), 2), "diloco"),
     "streaming_diloco": (lambda: jaxcomm.streaming_diloco(optax.adamw(1e-2), 4), "diloco"),
-    "slowmo": (lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1), "slowmo"),
+    "slowmo": (lambda: jaxcomm.slowmo(optax.sgd(0.1), 2, 0.1), "slowmo"),
     "sparseloco": (lambda: jaxcomm.sparseloco(optax.adamw(1e-2), 2), "per-device parameters"),
     "zero_one_adam": (lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2),
                       "zero_one_adam needs device-loc"),
