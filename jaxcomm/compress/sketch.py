@@ -169,7 +169,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     estimates = jax.lax.map(estimate_chunk, starts).reshape(-1)[:size]
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
-      indices = largest_k(jnp.abs(estimates), kept)
+      indices = largest_k(estimates, kept, by_magnitude=True)
       estimates = jnp.zeros(size, jnp.float32).at[indices].set(estimates[indices])
     return estimates.reshape(shape)
 

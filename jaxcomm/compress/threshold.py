@@ -51,7 +51,8 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     # branch several times slower.
     fitting = compact(above, slots)
     indices = jax.lax.cond(passed <= slots, lambda: fitting,
-                           lambda: largest_k(jnp.where(above, magnitude, 0.0), slots))
+                           lambda: largest_k(jnp.where(above, flat, 0.0), slots,
+                                             by_magnitude=True))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
     indices = jnp.where(used, indices, 0)

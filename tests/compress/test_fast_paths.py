@@ -81,6 +81,10 @@ def test_largest_k_is_exactly_top_k(kind):
   magnitude = jnp.asarray(magnitude)
   for k in (57, FAST // 100):
     np.testing.assert_array_equal(fast_largest_k(magnitude, k), _exact_top(magnitude, k))
+  signed = magnitude * jnp.where(jnp.arange(FAST) % 3 == 0, -1.0, 1.0)
+  np.testing.assert_array_equal(
+      jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+          signed, FAST // 100, by_magnitude=True), _exact_top(magnitude, FAST // 100))
   if kind == "normal":
     rows = jnp.abs(jax.random.normal(KEY, (2, MIN_FAST_SIZE)))  # one threshold per row
     np.testing.assert_array_equal(fast_largest_k(rows, 300), _exact_top(rows, 300))
