@@ -19,7 +19,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm.collectives.strategies import resolve
-from jaxcomm.compress.base import Compressor, check_float
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_float
 from jaxcomm.compress.policy import CompressionPolicy, path_string, policy
 from jaxcomm.compress.quantize import quantize
 from jaxcomm.compress.sign import sign

@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from jaxcomm.accounting import NO_COST, Cost
 from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_dtype, check_float_input
 
 DENSE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

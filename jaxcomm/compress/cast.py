@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, axis_context, check_bool, check_dtype,
-                                   check_int_range, num_elements, stateless_init)
+from jaxcomm.compress.base import Compressor, axis_context, num_elements, stateless_init
+from jaxcomm.validation import check_bool, check_dtype, check_int_range
 
 CAST_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, check_fraction, check_int_range, num_elements
+from jaxcomm.compress.base import Compressor, num_elements
+from jaxcomm.validation import check_fraction, check_int_range
 from jaxcomm.compress.hashing import hash_bits
 from jaxcomm.compress.select import largest_k
 

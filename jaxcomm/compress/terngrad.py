@@ -7,8 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, axis_context, check_bool, num_elements,
-                                   stateless_init)
+from jaxcomm.compress.base import Compressor, axis_context, num_elements, stateless_init
+from jaxcomm.validation import check_bool
 from jaxcomm.compress.hashing import hash_uniform
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 

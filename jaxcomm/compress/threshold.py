@@ -8,8 +8,8 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_float, check_fraction, num_elements,
-                                   stateless_init)
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_float, check_fraction
 from jaxcomm.compress.hashing import hash_bits
 from jaxcomm.compress.select import compact, count_true, kth_largest_bits, largest_k
 

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress import chunks
-from jaxcomm.compress.base import (Compressor, check_bool, check_dtype, check_fraction,
-                                   check_int_range, num_elements, stateless_init)
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_bool, check_dtype, check_fraction, check_int_range
 from jaxcomm.compress.select import largest_k
 
 VALUE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

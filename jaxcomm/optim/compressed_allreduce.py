@@ -14,7 +14,8 @@ from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
 from jaxcomm.collectives.strategies import Strategy, TwoPhaseState, as_strategy
-from jaxcomm.compress.base import Compressor, check_dtype, check_float_tree
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_dtype, check_float_tree
 from jaxcomm.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
                                              estimate_feedback)
 from jaxcomm.compress.policy import CompressionPolicy
