@@ -152,7 +152,9 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
       return jnp.stack(rows), None
 
     starts = jnp.arange(count, dtype=jnp.int32) * chunk
-    table, _ = jax.lax.scan(add_chunk, jnp.zeros((depth, width), jnp.float32), (starts, values))
+    # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
+    table, _ = jax.lax.scan(add_chunk, jnp.zeros_like(flat, shape=(depth, width)),
+                            (starts, values))
     return CountSketchPayload(table, state.key), state
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
