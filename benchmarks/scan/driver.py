@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 
@@ -90,13 +91,33 @@ def _project(args, methods: list[str], setting: Setting) -> list[dict]:
 
 
 def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, list[float]]:
-  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`."""
+  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`.
+
+  Every projection is alpha-beta: at a fixed latency its time is ``a + c / bandwidth``. So
+  each method is projected at the sweep's two ends, and at its middle to check that form
+  (one projection costs tens of ms: it traces the compressor per leaf shape); a method whose
+  middle point is off the line is projected at every bandwidth.
+  """
   shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
-  return {name: [1e3 * REGISTRY[name].project(
-      setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL, figures.FAST_LINK,
-      jaxcomm.links.Link("sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
-      for bandwidth in plots.BANDWIDTHS]
-          for name in methods if REGISTRY[name].project is not None}
+
+  def seconds(name, bandwidth):
+    return REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL,
+                                  figures.FAST_LINK, jaxcomm.links.Link(
+                                      "sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
+
+  curves = {}
+  for name in methods:
+    if REGISTRY[name].project is None:
+      continue
+    low, high = plots.BANDWIDTHS[0], plots.BANDWIDTHS[-1]
+    middle = plots.BANDWIDTHS[len(plots.BANDWIDTHS) // 2]
+    at_low, at_high = seconds(name, low), seconds(name, high)
+    per_byte = (at_low - at_high) / (1 / low - 1 / high)
+    line = lambda bandwidth: at_high + per_byte * (1 / bandwidth - 1 / high)  # noqa: E731
+    if not math.isclose(line(middle), seconds(name, middle), rel_tol=1e-9, abs_tol=1e-15):
+      line = lambda bandwidth, name=name: seconds(name, bandwidth)  # noqa: E731
+    curves[name] = [1e3 * line(bandwidth) for bandwidth in plots.BANDWIDTHS]
+  return curves
 
 
 def _recommend(args, console, tasks: dict, quality: list[dict], methods: list[str]):
