@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -48,7 +49,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxcomm.collectives.strategies import TwoPhaseState
-from jaxcomm.compress.error_feedback import ErrorFeedbackState
+from jaxcomm.compress.error_feedback import ErrorFeedbackState, EstimateFeedbackState
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
@@ -340,7 +342,7 @@ def _target_mesh(target) -> Mesh | None:
 
 def restore(directory, target, *, step: int | None = None, tx=None, params=None,
             params_spec: PartitionSpec = PartitionSpec(), residuals: str = "sum",
-            verify_files: bool = True) -> Any:
+            shard_over: str | None = None, verify_files: bool = True) -> Any:
   """Reads checkpoint ``step`` (default: the newest good one) laid out like ``target``.
 
   Every process calls it; each reads the shards its devices hold. Each file is first checked
@@ -385,6 +387,9 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   directory = _check_directory(directory)
   if residuals not in RESIDUAL_RULES:
     raise ValueError(f"residuals must be one of {', '.join(RESIDUAL_RULES)}; got {residuals!r}.")
+  if shard_over is not None and not isinstance(shard_over, str):
+    raise ValueError(f"shard_over must be None or the name of the mesh axis the state is "
+                     f"sharded over (as given to data_parallel); got {shard_over!r}.")
   if (tx is None) != (params is None):
     raise ValueError("tx and params go together (as for abstract_state): got "
                      f"tx={'set' if tx is not None else None}, "
@@ -407,7 +412,7 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
       error = corrupt
       continue
     return _restore_step(os.path.join(directory, str(candidate)), candidate, manifest, target,
-                         (tx, params, params_spec, residuals))
+                         (tx, params, params_spec, residuals, shard_over))
   raise CorruptCheckpointError(f"every checkpoint under {directory} is corrupt; the oldest: "
                                f"{error}")
 
@@ -416,12 +421,16 @@ def _restore_step(path: str, step: int, manifest, target, elastic) -> Any:
   checkpointer = _orbax().Checkpointer(ocp.StandardCheckpointHandler())
   saved_tree = checkpointer.metadata(path).item_metadata.tree
   saved_mesh, mesh = manifest.get("mesh"), _target_mesh(target)
-  tx, params, params_spec, residuals = elastic
+  tx, params, params_spec, residuals, shard_over = elastic
   moved = saved_mesh is not None and mesh is not None and saved_mesh != dict(mesh.shape)
-  layout = _Layout(tx, params, params_spec, saved_mesh, mesh) if moved and tx else None
+  layout = None
+  if moved and tx and shard_over is not None:
+    layout = _ShardedLayout(tx, params, shard_over, saved_mesh, target)
+  elif moved and tx:
+    layout = _Layout.replicated(tx, params, params_spec, saved_mesh, mesh)
   hint = (f" (saved on mesh {saved_mesh}, the target is on {dict(mesh.shape)}: pass tx= and "
-          f"params= to map compressed_allreduce's device-local residuals.)"
-          if moved and not tx else "")
+          f"params= to map compressed_allreduce's device-local residuals, and shard_over= for "
+          f"the state of data_parallel(..., shard_over=).)" if moved and not tx else "")
   read = layout.saved_target(target) if layout else target
   _check_matches(path, step, saved_tree, read, hint)
   restored = checkpointer.restore(path, args=ocp.args.StandardRestore(
@@ -484,20 +493,34 @@ def _moved_residual(old: jax.Array, kind: str, saved: tuple[int, int], new: tupl
   return jnp.pad(mass, ((0, 0), (0, 0), (0, new_length - new_shard))).reshape(-1)
 
 
-class _Layout:
-  """compressed_allreduce's level states on the saved mesh and on the target mesh."""
+def _check_two_axes(saved_mesh: dict[str, int], mesh: Mesh) -> None:
+  if tuple(saved_mesh) != tuple(mesh.axis_names) or len(saved_mesh) != 2:
+    raise ValueError(f"mapping residuals to another mesh shape needs the same two mesh axes "
+                     f"(slow, fast) on both: saved {saved_mesh}, target {dict(mesh.shape)}.")
 
-  def __init__(self, tx, params, params_spec, saved_mesh: dict[str, int], mesh: Mesh):
-    if tuple(saved_mesh) != tuple(mesh.axis_names) or len(saved_mesh) != 2:
-      raise ValueError(f"mapping residuals to another mesh shape needs the same two mesh axes "
-                       f"(slow, fast) on both: saved {saved_mesh}, target {dict(mesh.shape)}.")
+
+class _Layout:
+  """compressed_allreduce's level states on the saved mesh and on the target mesh.
+
+  ``saved``, ``elements`` and ``fresh``: the :class:`CompressedAllReduceState` s of ``tx`` traced
+  on the saved mesh, on a mesh of one device (each bucket's gradient size) and initialized on
+  the target mesh.
+  """
+
+  def __init__(self, saved, elements, fresh, saved_mesh: dict[str, int], mesh: Mesh):
+    _check_two_axes(saved_mesh, mesh)
     self.mesh, self.saved_sizes = mesh, tuple(saved_mesh.values())
     self.sizes = tuple(mesh.shape.values())
-    self.saved = _allreduce_states(_traced_state(tx, params, params_spec, saved_mesh))
-    self.elements = _allreduce_states(_traced_state(tx, params, params_spec,
-                                                    dict.fromkeys(saved_mesh, 1)))
+    self.saved, self.elements, self.fresh = saved, elements, fresh
+
+  @classmethod
+  def replicated(cls, tx, params, params_spec, saved_mesh: dict[str, int], mesh: Mesh):
     zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params)
-    self.fresh = _allreduce_states(sharded_init(tx, zeros, mesh, params_spec)[0])
+    return cls(_allreduce_states(_traced_state(tx, params, params_spec, saved_mesh)),
+               _allreduce_states(_traced_state(tx, params, params_spec,
+                                               dict.fromkeys(saved_mesh, 1))),
+               _allreduce_states(sharded_init(tx, zeros, mesh, params_spec)[0]), saved_mesh,
+               mesh)
 
   def _placement(self, shape) -> NamedSharding:
     spread = len(shape) > 0 and shape[0] % self.mesh.size == 0
@@ -515,13 +538,18 @@ class _Layout:
         saved.level_states)) for node, saved in zip(nodes, self.saved)])
 
   def mapped(self, restored, residuals: str):
-    """``restored`` (saved shapes) with its level states laid out for the target mesh."""
-    return _replace_allreduce_states(restored, [
-        node._replace(level_states=tuple(
-            self._bucket(old, new, unit, residuals)
-            for old, new, unit in zip(node.level_states, fresh.level_states,
-                                      units.level_states)))
-        for node, fresh, units in zip(_allreduce_states(restored), self.fresh, self.elements)])
+    """``restored`` (saved shapes) with its level states laid out for the target mesh. A
+    bucket with EF21 estimates restarts them, and their mean in ``estimates`` with them, so
+    the mean stays the mean of the devices' estimates."""
+    nodes = []
+    for node, fresh, units in zip(_allreduce_states(restored), self.fresh, self.elements):
+      levels = tuple(self._bucket(old, new, unit, residuals) for old, new, unit
+                     in zip(node.level_states, fresh.level_states, units.level_states))
+      estimates = tuple(
+          new if any(isinstance(state, EstimateFeedbackState) for state in bucket) else old
+          for old, new, bucket in zip(node.estimates, fresh.estimates, fresh.level_states))
+      nodes.append(node._replace(level_states=levels, estimates=estimates))
+    return _replace_allreduce_states(restored, nodes)
 
   def _move(self, old, new, kind: str, elements: int) -> jax.Array:
     length = new.shape[0] // self.mesh.size
@@ -545,3 +573,79 @@ class _Layout:
           self._move(old.worker_residual, new.worker_residual, "worker", elements),
           self._move(old.server_residual, new.server_residual, "server", elements))
     return (), new
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames="sharding")
+def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.Array:
+  """The first ``elements`` entries of ``flat``, zero-padded to ``length``, on ``sharding``."""
+  return jax.lax.with_sharding_constraint(jnp.pad(flat[:elements], (0, length - elements)),
+                                          sharding)
+
+
+class _ShardedLayout:
+  """A ``data_parallel(..., shard_over=axis)`` :class:`~jaxcomm.TrainState` saved on one mesh
+  shape, laid out for ``target``'s.
+
+  Every flat leaf (parameters and the optimizer state shaped like them, e.g. Adam moments)
+  of a ``d``-element parameter was saved zero-padded to ``G ceil(d/G)``: its first ``d``
+  entries are kept and zero-padded to ``G' ceil(d/G')`` (what lies beyond ``d`` is padding the
+  loss never reads). compressed_allreduce's level states follow ``residuals`` by
+  :class:`_Layout`: device ``(h, i)``'s slow-level residual covers elements
+  ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of host ``h``'s leaf, which is the replicated path's
+  layout after its reduce-scatter with the leaf as the bucket.
+  """
+
+  def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
+    if not (hasattr(target, "params") and hasattr(target, "opt_state")):
+      raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
+                       "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
+                       f"got {type(target).__name__}.")
+    self.mesh, self.target, self.axis = _target_mesh(target), target, axis
+    if axis not in saved_mesh:
+      raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
+    self.tx, self.spec = hsdp.on_shards(tx, axis), PartitionSpec(axis)
+    leaves, self.treedef = jax.tree.flatten(params)
+    self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
+    self.saved_group = saved_mesh[axis]
+    self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)
+    self.unit = _traced_state(self.tx, self._shards(1), self.spec, dict.fromkeys(saved_mesh, 1))
+    zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype),
+                         self._shards(self.mesh.shape[axis]))
+    fresh = sharded_init(self.tx, zeros, self.mesh, self.spec)[0]
+    self.allreduce = _Layout(_allreduce_states(self.saved), _allreduce_states(self.unit),
+                             _allreduce_states(fresh), saved_mesh, self.mesh)
+
+  def _shards(self, group: int):
+    return self.treedef.unflatten([jax.ShapeDtypeStruct((group * -(-size // group),), dtype)
+                                   for size, dtype in self.leaves])
+
+  def saved_target(self, target):
+    place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                           sharding=self.allreduce._placement(s.shape))
+    return target._replace(params=jax.tree.map(place, self._shards(self.saved_group)),
+                           opt_state=jax.tree.map(place, self.saved))
+
+  def _leaf(self, value, unit, target):
+    """A flat shard (1-D, sharded over the axis, a parameter's size on one device) re-padded;
+    a compressed_allreduce state (mapped already) or any other leaf as it is."""
+    if _is_allreduce_state(value):
+      return value
+    sharding = getattr(target, "sharding", None)
+    spec = getattr(sharding, "spec", ())
+    over = spec[0] if len(spec) else None
+    if len(unit.shape) == 1 and self.axis in (over if isinstance(over, tuple) else (over,)):
+      return _repadded(value, unit.shape[0], target.shape[0], sharding=sharding)
+    return jax.device_put(value, sharding)
+
+  def mapped(self, restored, residuals: str):
+    """``restored`` (saved shapes) laid out like the target."""
+    buckets = {len(node.level_states) for node in _allreduce_states(self.unit)}
+    if residuals == "sum" and buckets - {len(self.leaves)}:
+      raise ValueError("restore(..., shard_over=, residuals='sum') maps one residual per "
+                       f"parameter leaf ({len(self.leaves)}); this compressed_allreduce packs "
+                       f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
+    opt_state = self.allreduce.mapped(restored.opt_state, residuals)
+    return restored._replace(
+        params=jax.tree.map(self._leaf, restored.params, self._shards(1), self.target.params),
+        opt_state=jax.tree.map(self._leaf, opt_state, self.unit, self.target.opt_state,
+                               is_leaf=_is_allreduce_state))
