@@ -357,10 +357,19 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   host ``h mod H'`` (two-phase server residuals move to the element's new owner), so the sum
   over hosts of what is pending is exactly conserved; ``'reset'``: zero residuals (the mass
   pending at the checkpoint is dropped). Other per-level state (a compressor's own state, e.g.
-  PowerSGD factors; error feedback's ``finite`` flags) restarts from ``tx.init``. Needs the
+  PowerSGD factors; error feedback's ``finite`` flags) restarts from ``tx.init``; EF21
+  estimates restart at zero together with their mean (``estimates``). Needs the
   two-level topology (dense fast axis, compressed slow axis) on a ``jaxcomm.make_mesh`` mesh
   (``('host', 'local')``, slow axis first). On one host (``H' = 1``) no level is compressed:
   the summed residuals are kept but never sent.
+
+  **Sharded data parallelism** (the :class:`~jaxcomm.TrainState` of
+  ``data_parallel(..., shard_over=axis)`` as ``target``, ``trainer.init(params)``): pass
+  ``shard_over=axis`` with ``tx`` and the full ``params`` too. Each flat leaf of a
+  ``d``-element parameter (parameters, Adam moments) was saved padded to ``G ceil(d/G)``; its
+  first ``d`` entries are restored, zero-padded to ``G' ceil(d/G')``. The residuals follow
+  ``residuals`` as above, each parameter leaf being one bucket (with ``bucket_bytes=``, only
+  ``'reset'``). docs/hsdp.md, "Checkpoints".
 
   Args:
     directory: the checkpoint root given to :func:`save`.
@@ -372,6 +381,8 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
     params: parameters or their shapes, as given to :func:`abstract_state`; with ``tx``.
     params_spec: the ``in_specs`` entry of ``params`` (default replicated); with ``tx``.
     residuals: ``'sum'`` or ``'reset'``, for a restore on another mesh shape.
+    shard_over: ``None``, or the axis a ``data_parallel(..., shard_over=)`` state is sharded
+      over (with ``tx`` and ``params``), for a restore on another mesh shape.
     verify_files: check every file's SHA-256 against the manifest first.
 
   Returns:

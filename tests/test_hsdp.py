@@ -288,6 +288,27 @@ def test_a_sharded_checkpoint_restores_onto_another_mesh_shape(tmp_path, hosts, 
   assert jnp.isfinite(loss)
 
 
+def test_ef21_estimates_restart_with_their_mean_on_another_mesh_shape(tmp_path):
+  """EF21 keeps each device's estimate and their mean: both restart at zero together (a
+  re-laid-out mean with zeroed estimates would no longer be their mean)."""
+  params, loss_fn, batch = _problem()
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.5), feedback="estimate"),
+                   optax.sgd(0.1))
+  saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                        shard_over="local")
+  saved, _ = saved_trainer.step(saved_trainer.init(params), batch)
+  assert any(jnp.any(mean) for mean in saved.opt_state[0].estimates)
+  jaxcomm.checkpoint.save(tmp_path, 1, saved)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=4, local=2),
+                                  shard_over="local")
+  state = jaxcomm.checkpoint.restore(tmp_path, trainer.init(params), tx=tx, params=params,
+                                     shard_over="local")
+  chex.assert_trees_all_equal(trainer.model(state), saved_trainer.model(saved))
+  allreduce = state.opt_state[0]
+  assert not any(jnp.any(leaf) for leaf in jax.tree.leaves((allreduce.estimates, [
+      level.estimate for _, level in allreduce.level_states])))
+
+
 def test_restore_with_a_bad_shard_over_names_it(tmp_path):
   with pytest.raises(ValueError, match=r"shard_over must be None or the name.*got 3"):
     jaxcomm.checkpoint.restore(tmp_path, {}, shard_over=3)
