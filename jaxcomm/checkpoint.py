@@ -614,8 +614,9 @@ class _ShardedLayout:
     self.mesh, self.target, self.axis = _target_mesh(target), target, axis
     if axis not in saved_mesh:
       raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
-    self.tx, self.spec = hsdp.on_shards(tx, axis), PartitionSpec(axis)
     leaves, self.treedef = jax.tree.flatten(params)
+    shapes = tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
+    self.tx, self.spec = hsdp.on_shards(tx, axis, shapes), PartitionSpec(axis)
     self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
     self.saved_group = saved_mesh[axis]
     self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)

@@ -219,7 +219,6 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
   key = _check_key(key)
   if shard_over is not None:
     shard_over = hsdp.check_shard_axis(mesh, shard_over)
-    tx = hsdp.on_shards(tx, shard_over)
   if max_in_flight is None and mesh.devices.flat[0].platform == "cpu":
     max_in_flight = 1
   axes = tuple(mesh.axis_names)
@@ -237,10 +236,16 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       params = hsdp.gather_params(params, module["layout"])
     return loss_fn(as_model(params), *args)
 
+  def sharded_tx() -> optax.GradientTransformation:
+    if shard_over is None:
+      return tx
+    return hsdp.on_shards(tx, shard_over, module["layout"].shapes)
+
   def build(params, with_key: bool) -> Callable:
-    specs = TrainState(params_spec, state_specs(tx, params, mesh, params_spec),
+    step_tx = sharded_tx()
+    specs = TrainState(params_spec, state_specs(step_tx, params, mesh, params_spec),
                        PartitionSpec() if with_key else None)
-    per_device = device_step(loss_of_params, tx, axes)
+    per_device = device_step(loss_of_params, step_tx, axes)
 
     def step(state: TrainState, batch):
       if not with_key:
@@ -262,7 +267,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       opt_state, _ = sharded_init(tx, params, mesh)
     else:
       params, layout = hsdp.shard_params(params, mesh, shard_over)
-      opt_state, _ = hsdp.init_on_shards(tx, params, mesh, shard_over)
+      opt_state, _ = hsdp.init_on_shards(hsdp.on_shards(tx, shard_over, layout.shapes), params,
+                                         mesh, shard_over)
     module["graphdef"], module["layout"] = graphdef, layout
     return TrainState(params, opt_state, None if key is None else jax.device_put(key, replicated))
 

@@ -19,7 +19,10 @@ Parameter Models", SC 2020; hybrid sharding: Zhao et al., "PyTorch FSDP", VLDB 2
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import jax
@@ -28,6 +31,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcomm.collectives.hierarchical import prescattered
+from jaxcomm.collectives.powersgd import PowerSGDLeafState
+from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
 from jaxcomm.optim.sharding import sharded_init
 
 # Collectives as jaxpr primitives, with the parameter naming their axes.
@@ -37,8 +42,13 @@ _COLLECTIVES = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "a
                 "psum_invariant": "axes"}
 # State types of transformations that need a leaf's full shape, which flat shards lose.
 _NEEDS_SHAPE = {"FactoredState": "optax.adafactor (factored second moments need the matrix)",
-                "PowerSGDAllReduceState": "PowerSGD (its low-rank factorization needs the matrix)",
-                "LeafAllReduceState": "PowerSGD (its low-rank factorization needs the matrix)"}
+                "LeafAllReduceState": "a whole-leaf matrix compressor (e.g. gradzip: its basis "
+                                      "needs the matrix)"}
+# Collectives over the sharded axis that shard-aware code declares by this name scope (PowerSGD's
+# column-block products); check_shardable allows them.
+SHARD_AWARE_SCOPE = "hsdp_shard_aware"
+_SHARDED_LEAVES: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_hsdp_leaves",
+                                                                default=None)
 
 
 class ShardLayout(NamedTuple):
@@ -96,8 +106,38 @@ def unshard_params(shards, layout: ShardLayout):
   return treedef.unflatten(full)
 
 
-def on_shards(tx: optax.GradientTransformation, axis: str) -> optax.GradientTransformation:
-  """``tx`` run on shards reduce-scattered over ``axis``.
+class ShardedLeaves(NamedTuple):
+  """What shard-aware transformations see inside :func:`on_shards` (:func:`sharded_leaves`).
+
+  Attributes:
+    axis: the mesh axis the flat leaves are sharded over.
+    shapes: the full shapes of the leaves, in ``jax.tree.leaves`` order.
+  """
+  axis: str
+  shapes: tuple
+
+
+def sharded_leaves() -> ShardedLeaves | None:
+  """Inside ``on_shards(tx, ...).init`` / ``.update``: the sharded axis and the leaves' full
+  shapes (each leaf ``tx`` sees is then this device's flat ``ceil(d/G)`` shard); else ``None``."""
+  return _SHARDED_LEAVES.get()
+
+
+@contextlib.contextmanager
+def _sharded(axis: str, shapes: tuple) -> Iterator[None]:
+  token = _SHARDED_LEAVES.set(ShardedLeaves(axis, shapes))
+  try:
+    with prescattered((axis,)):
+      yield
+  finally:
+    _SHARDED_LEAVES.reset(token)
+
+
+def on_shards(tx: optax.GradientTransformation, axis: str,
+              shapes: tuple) -> optax.GradientTransformation:
+  """``tx`` run on shards reduce-scattered over ``axis``; ``shapes``: the parameter leaves'
+  full shapes (:class:`ShardLayout`), which shard-aware transformations read
+  (:func:`sharded_leaves`; PowerSGD factorizes column blocks with them).
 
   ``update`` takes the *sum* over ``axis`` of the devices' gradients of this device's shard
   (what the transpose of :func:`gather_params` gives) and hands ``tx`` their mean, inside
@@ -112,12 +152,12 @@ def on_shards(tx: optax.GradientTransformation, axis: str) -> optax.GradientTran
   """
 
   def init(params):
-    with prescattered((axis,)):
+    with _sharded(axis, shapes):
       state = tx.init(params)
-    shapes = {jnp.shape(leaf) for leaf in jax.tree.leaves(params)}
+    shard_shapes = {jnp.shape(leaf) for leaf in jax.tree.leaves(params)}
 
     def per_shard(leaf):
-      if (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shapes
+      if (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shard_shapes
           and axis not in jax.typeof(leaf).mat.varying):
         return jax.lax.pcast(leaf, (axis,), to="varying")
       return leaf
@@ -126,7 +166,7 @@ def on_shards(tx: optax.GradientTransformation, axis: str) -> optax.GradientTran
 
   def update(grads, state, params=None):
     group = jax.lax.axis_size(axis)
-    with prescattered((axis,)):
+    with _sharded(axis, shapes):
       return tx.update(jax.tree.map(lambda g: g / group, grads), state, params)
 
   return optax.GradientTransformation(init, update)
@@ -183,8 +223,8 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   jaxpr = jax.make_jaxpr(jax.shard_map(probe, mesh=mesh, in_specs=(PartitionSpec(axis),
                                                                    state_specs),
                                        out_specs=()))(shards, opt_state)
-  for primitive, axes, shape in _collectives(jaxpr.jaxpr):
-    if axis in axes and any(dim != 1 for dim in shape):
+  for primitive, axes, shape, scope in _collectives(jaxpr.jaxpr):
+    if axis in axes and any(dim != 1 for dim in shape) and SHARD_AWARE_SCOPE not in scope:
       raise ValueError(
           f"shard_over={axis!r}: tx.update runs {primitive} over {axes} on an array of shape "
           f"{shape}, but under sharded data parallelism the gradients are already "
@@ -202,16 +242,90 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
 
 
 def _collectives(jaxpr):
-  """``(primitive, axes, operand shape)`` of every collective in ``jaxpr``, nested ones too."""
+  """``(primitive, axes, operand shape, name scope)`` of every collective in ``jaxpr``, nested
+  ones too."""
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
     if name in _COLLECTIVES:
       axes = eqn.params.get(_COLLECTIVES[name])
       axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
       for var in eqn.invars:
-        yield name, axes, tuple(getattr(var.aval, "shape", ()))
+        yield (name, axes, tuple(getattr(var.aval, "shape", ())),
+               str(eqn.source_info.name_stack))
     for value in eqn.params.values():
       for sub in value if isinstance(value, (tuple, list)) else (value,):
         inner = getattr(sub, "jaxpr", sub)
         if hasattr(inner, "eqns"):
           yield from _collectives(inner)
+
+
+def column_blocks(shape: tuple, group: int, rank: int, min_compression_rate: float) -> int:
+  """Columns per device of a leaf's ``(out, rest)`` PowerSGD matrix under sharding over
+  ``group`` devices, or 0 when the leaf is sent dense: its compression rate is below
+  ``min_compression_rate``, or ``rest`` is not a multiple of ``group`` (then the flat
+  ``1/G`` shards are not blocks of whole columns)."""
+  if compression_rate(tuple(shape), rank) < min_compression_rate:
+    return 0
+  _, rest = matrix_shape(tuple(shape))
+  return rest // group if rest % group == 0 else 0
+
+
+def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression_rate: float,
+                    seed: int, slow_axis: str) -> tuple:
+  """PowerSGD's per-leaf state on shards: for a factorized leaf, this device's rows of the
+  warm start ``Q`` (``(c, r)`` for its ``c`` columns, varying over the sharded axis) and a
+  residual shaped like its flat shard; ``()`` for a leaf sent dense."""
+  group = jax.lax.axis_size(shards.axis)
+  states = []
+  for index, (leaf, shape) in enumerate(zip(leaves, shards.shapes)):
+    columns = column_blocks(shape, group, rank, min_compression_rate)
+    if not columns:
+      states.append(())
+      continue
+    block = jax.lax.dynamic_slice_in_dim(initial_q(seed + index, shape, rank),
+                                         jax.lax.axis_index(shards.axis) * columns, columns)
+    residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+    states.append(PowerSGDLeafState(q=block, residual=residual))
+  return tuple(states)
+
+
+def powersgd_on_shards(leaves, states, shards: ShardedLeaves, *, slow_axis: str,
+                       epsilon: float, feedback: bool):
+  """One PowerSGD step (Vogels et al. 2019) on column blocks of each host's matrix.
+
+  A factorized leaf's ``(out, rest) = (m, n)`` matrix ``A`` is split by columns: this device's
+  flat shard is ``A_i`` (``m x c``, ``c = n/G``) with rows ``Q_i`` of ``Q``. Then
+  ``P = A Q = sum_i A_i Q_i`` is ``psum``-ed over the sharded axis and then over ``slow_axis``
+  and orthogonalized (the same on every device); ``Q'_i = A_i^T P`` is ``psum``-ed over
+  ``slow_axis`` only; the output block is ``P Q'_i^T`` and the residual
+  ``A_i - P Q'_i^T / H``: exactly the replicated PowerSGD, computed blockwise. Bytes per
+  device and factorized leaf: ``2 (G-1)/G 4 m r`` over the sharded axis, ``2 (H-1)/H 4 r
+  (m + c)`` over ``slow_axis``; a dense leaf's shard of ``s`` elements: ``2 (H-1)/H 4 s``.
+
+  Returns:
+    ``(outputs, new_states)``: the mean's flat shards (float32) and the states.
+  """
+  hosts, axis = jax.lax.axis_size(slow_axis), shards.axis
+  outputs, new_states = [], []
+  for leaf, state, shape in zip(leaves, states, shards.shapes):
+    if not isinstance(state, PowerSGDLeafState):
+      outputs.append(jax.lax.psum(leaf.astype(jnp.float32), slow_axis))
+      new_states.append(state)
+      continue
+    m = shape[-1]
+    corrected = (leaf.astype(jnp.float32) + (state.residual if feedback else 0.0))
+    corrected = corrected.reshape(-1, m).T  # (m, c)
+    with jax.named_scope(SHARD_AWARE_SCOPE):
+      p = jax.lax.psum(jax.lax.psum(corrected @ state.q, axis), slow_axis)
+    p = orthogonalize(p, epsilon)
+    q = jax.lax.psum(corrected.T @ p, slow_axis)
+    approx = p @ q.T
+    with jax.named_scope(SHARD_AWARE_SCOPE):
+      alive = jax.lax.psum(jnp.sum(q * q, axis=0, keepdims=True), axis) > 0
+    finite = jax.lax.pmin(jnp.all(jnp.isfinite(approx)).astype(jnp.int32), axis) > 0
+    residual = ((corrected - approx / hosts).T.reshape(-1) if feedback else state.residual)
+    outputs.append(approx.T.reshape(-1))
+    new_states.append(PowerSGDLeafState(
+        q=jnp.where(finite, jnp.where(alive, q, state.q), state.q),
+        residual=jnp.where(finite, residual, state.residual)))
+  return outputs, new_states

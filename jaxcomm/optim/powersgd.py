@@ -14,6 +14,7 @@ from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
 from jaxcomm.compress.base import (check_float, check_float_input, check_float_tree,
                                    check_int_range, psum_payload)
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.nonfinite import skip_nonfinite
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
@@ -82,14 +83,29 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   axes = (fast_axis, slow_axis)
 
+  def _shards() -> hsdp.ShardedLeaves | None:
+    """Under ``data_parallel(..., shard_over=)``: the leaves are flat shards, factorized by
+    column blocks (:func:`jaxcomm.optim.hsdp.powersgd_on_shards`)."""
+    shards = hsdp.sharded_leaves()
+    if shards is not None and shards.axis != fast_axis:
+      raise ValueError(f"powersgd_allreduce(fast_axis={fast_axis!r}) runs on parameters sharded "
+                       f"over {shards.axis!r}: its fast_axis must be the sharded axis.")
+    return shards
+
   def factorized(shape) -> bool:
     return compression_rate(tuple(shape), rank) >= min_compression_rate
 
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    states = []
-    for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    if (shards := _shards()) is not None:
+      states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
+                                    min_compression_rate=min_compression_rate, seed=seed,
+                                    slow_axis=slow_axis)
+      return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
+    states = []
+    for index, leaf in enumerate(jax.tree.leaves(params)):
       if not factorized(leaf.shape):
         states.append(())
         continue
@@ -104,8 +120,12 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     check_float_tree(grads, "grads")
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
-    devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
-    host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+    shards = _shards()
+    if shards is None:
+      devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
+      host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+    else:  # each device already holds its shard of the host's mean (sharded data parallelism)
+      host_sums = [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
 
     def dense(operands):
       sums, states = operands
@@ -113,6 +133,9 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 
     def compressed(operands):
       sums, states = operands
+      if shards is not None:
+        return hsdp.powersgd_on_shards(sums, states, shards, slow_axis=slow_axis,
+                                       epsilon=epsilon, feedback=feedback)
       return powersgd_reduce(sums, states, slow_axis=slow_axis, epsilon=epsilon,
                              feedback=feedback)
 
