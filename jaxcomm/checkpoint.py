@@ -464,9 +464,13 @@ def _replace_allreduce_states(tree, replacements):
                       tree, is_leaf=_is_allreduce_state)
 
 
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
 def _traced_state(tx, params, params_spec, sizes: dict[str, int]):
   """``tx.init``'s state shapes on a mesh of ``sizes`` (an abstract mesh: no devices needed)."""
-  mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+  mesh = _abstract_mesh(sizes)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   specs = state_specs(tx, abstract, mesh, params_spec)
   return jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(params_spec,),
@@ -620,6 +624,15 @@ class _ShardedLayout:
     self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
     self.saved_group = saved_mesh[axis]
     self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)
+    self.saved_specs = state_specs(self.tx, self._shards(self.saved_group),
+                                   _abstract_mesh(saved_mesh), self.spec)
+    if jax.tree.structure(self.saved) != jax.tree.structure(target.opt_state):
+      raise ValueError(
+          f"shard_over={axis!r}: tx's state has another structure on the saved mesh "
+          f"{saved_mesh} than on the target mesh {dict(self.mesh.shape)} (e.g. PowerSGD "
+          "factorizes a leaf whose columns split over one fast-axis size but not the other, "
+          "and sends it dense there): restore onto a mesh whose fast axis splits the same "
+          "leaves.")
     self.unit = _traced_state(self.tx, self._shards(1), self.spec, dict.fromkeys(saved_mesh, 1))
     zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype),
                          self._shards(self.mesh.shape[axis]))
@@ -637,17 +650,32 @@ class _ShardedLayout:
     return target._replace(params=jax.tree.map(place, self._shards(self.saved_group)),
                            opt_state=jax.tree.map(place, self.saved))
 
-  def _leaf(self, value, unit, target):
-    """A flat shard (1-D, sharded over the axis, a parameter's size on one device) re-padded;
-    a compressed_allreduce state (mapped already) or any other leaf as it is."""
+  def _leaf(self, residuals: str, value, saved, saved_spec, target):
+    """One leaf laid out like ``target``. A 1-D leaf sharded over the axis on the saved mesh is
+    a flat shard of some parameter of ``d`` elements, saved with ``L >= d`` entries per host
+    and wanted with ``L' >= d``: replicated over the slow axis (parameters, Adam moments), its
+    first ``min(L, L')`` entries are kept and zero-padded; per host (PowerSGD's residual) it
+    is mapped by ``residuals`` as an error-feedback residual of ``min(L, L')`` elements
+    (:func:`_moved_residual`); either way the ``d`` real entries are exact. A
+    compressed_allreduce state (mapped already) or any other leaf is kept as it is (e.g.
+    PowerSGD's ``Q``, replicated over hosts: its rows are re-sharded)."""
     if _is_allreduce_state(value):
       return value
     sharding = getattr(target, "sharding", None)
-    spec = getattr(sharding, "spec", ())
-    over = spec[0] if len(spec) else None
-    if len(unit.shape) == 1 and self.axis in (over if isinstance(over, tuple) else (over,)):
-      return _repadded(value, unit.shape[0], target.shape[0], sharding=sharding)
-    return jax.device_put(value, sharding)
+    over = saved_spec[0] if len(saved_spec) else None
+    over = over if isinstance(over, tuple) else (over,)
+    if len(saved.shape) != 1 or self.axis not in over:
+      return jax.device_put(value, sharding)
+    if over == (self.axis,):
+      kept = min(saved.shape[0], target.shape[0])
+      return _repadded(value, kept, target.shape[0], sharding=sharding)
+    if residuals == "reset":
+      return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
+    (hosts, _), (new_hosts, _) = self.allreduce.saved_sizes, self.allreduce.sizes
+    kept = min(saved.shape[0] // hosts, target.shape[0] // new_hosts)
+    moved = _moved_residual(value, "flat", self.allreduce.saved_sizes, self.allreduce.sizes,
+                            kept, target.shape[0] // self.mesh.size)
+    return jax.device_put(moved.astype(target.dtype), sharding)
 
   def mapped(self, restored, residuals: str):
     """``restored`` (saved shapes) laid out like the target."""
@@ -657,7 +685,11 @@ class _ShardedLayout:
                        f"parameter leaf ({len(self.leaves)}); this compressed_allreduce packs "
                        f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
     opt_state = self.allreduce.mapped(restored.opt_state, residuals)
+    params = [_repadded(value, size, target.shape[0], sharding=target.sharding)
+              for value, (size, _), target in zip(jax.tree.leaves(restored.params), self.leaves,
+                                                  jax.tree.leaves(self.target.params))]
     return restored._replace(
-        params=jax.tree.map(self._leaf, restored.params, self._shards(1), self.target.params),
-        opt_state=jax.tree.map(self._leaf, opt_state, self.unit, self.target.opt_state,
+        params=self.treedef.unflatten(params),
+        opt_state=jax.tree.map(functools.partial(self._leaf, residuals), opt_state, self.saved,
+                               self.saved_specs, self.target.opt_state,
                                is_leaf=_is_allreduce_state))

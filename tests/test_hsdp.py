@@ -176,12 +176,9 @@ def test_onebit_adam_runs_on_shards_and_equals_its_replicated_run():
   chex.assert_trees_all_close(sharded.model(state), replicated.model(rep_state), atol=1e-5)
 
 
-def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
-  """w (16 x 8, PowerSGD's (out, rest) = 8 x 16 matrix, 16 columns over G = 4): factorized by
-  column blocks, equal to the replicated PowerSGD; b (too small) dense in both; v (6 x 5: 6
-  columns, not a multiple of 4) factorized replicated but sent dense on shards. Bytes per axis
-  from the compiled HLO equal the formulas of ``hsdp.powersgd_on_shards``."""
-  hosts, local, m, columns = 2, 4, 8, 16 // 4
+def _powersgd_problem():
+  """w: PowerSGD's (out, rest) matrix 8 x 16 (16 columns split over G = 2, 4, 8); b: dense;
+  v: 6 x 5, factorized replicated but sent dense on shards of G = 4 (6 columns)."""
   shapes = {"w": (16, 8), "b": (8,), "v": (6, 5)}
   params = {name: 0.3 * jax.random.normal(jax.random.key(i), shape)
             for i, (name, shape) in enumerate(shapes.items())}
@@ -189,6 +186,16 @@ def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
            jax.random.normal(jax.random.key(8), (32, 8)))
   loss_fn = lambda p, batch: (jnp.mean((batch[0] @ p["w"] + p["b"] - batch[1]) ** 2)
                               + jnp.mean(p["v"] ** 2))
+  return params, loss_fn, batch
+
+
+def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
+  """w (16 x 8, PowerSGD's (out, rest) = 8 x 16 matrix, 16 columns over G = 4): factorized by
+  column blocks, equal to the replicated PowerSGD; b (too small) dense in both; v (6 x 5: 6
+  columns, not a multiple of 4) factorized replicated but sent dense on shards. Bytes per axis
+  from the compiled HLO equal the formulas of ``hsdp.powersgd_on_shards``."""
+  hosts, local, m, columns = 2, 4, 8, 16 // 4
+  params, loss_fn, batch = _powersgd_problem()
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
   trained = {}
   for shard_over in (None, "local"):
@@ -292,13 +299,32 @@ def _pending(residual, hosts, local, size):
   return flat[:, :size].sum(axis=0)
 
 
-@pytest.mark.parametrize("hosts,local", [(4, 2), (1, 8)])
-def test_a_sharded_checkpoint_restores_onto_another_mesh_shape(tmp_path, hosts, local):
+RESTORED = {  # method -> (problem, compressor)
+    "topk": (_problem, lambda: jaxcomm.topk(0.5)),
+    "powersgd": (_powersgd_problem, lambda: jaxcomm.powersgd(1)),
+}
+
+
+def _residuals(opt_state, method):
+  """``(warm starts and counters, [(residual, leaf index)])`` of the allreduce state."""
+  allreduce = opt_state[0]
+  if method == "topk":
+    return ((allreduce.key, allreduce.count),
+            [(level.residual, i) for i, (_, level) in enumerate(allreduce.level_states)])
+  leaves = allreduce.inner.leaves
+  return (([leaf.q for leaf in leaves if leaf], allreduce.inner.count),
+          [(leaf.residual, i) for i, leaf in enumerate(leaves) if leaf])
+
+
+@pytest.mark.parametrize("method,hosts,local", [("topk", 4, 2), ("powersgd", 1, 8)])
+def test_a_sharded_checkpoint_restores_onto_another_mesh_shape(tmp_path, method, hosts, local):
   """Saved on 2x4 (shards padded to multiples of 4), restored on 4x2 / 1x8: parameters and
   Adam moments un-padded and re-padded exactly, the residual mass pending for every element
-  (summed over hosts) conserved bit for bit, counters and keys kept; it then trains."""
-  params, loss_fn, batch = _problem()
-  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.5), feedback="residual"),
+  (summed over hosts) conserved bit for bit (top-k's error feedback; PowerSGD's residual of
+  its column block), counters, keys and PowerSGD's Q kept; it then trains."""
+  problem, compressor = RESTORED[method]
+  params, loss_fn, batch = problem()
+  tx = optax.chain(jaxcomm.compressed_allreduce(compressor(), feedback="residual"),
                    optax.adamw(3e-2))
   saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
                                         shard_over="local")
@@ -319,14 +345,15 @@ def test_a_sharded_checkpoint_restores_onto_another_mesh_shape(tmp_path, hosts, 
       assert new.sharding.shard_shape(new.shape) == (_padded(size, local) // local,)
       chex.assert_trees_all_equal(new[:size], old[:size])
       assert not jnp.any(new[size:])
-  new_ar, old_ar = state.opt_state[0], saved.opt_state[0]
-  chex.assert_trees_all_equal((new_ar.key, new_ar.count), (old_ar.key, old_ar.count))
+  (kept, new_residuals), (old_kept, old_residuals) = (_residuals(state.opt_state, method),
+                                                      _residuals(saved.opt_state, method))
+  chex.assert_trees_all_equal(kept, old_kept)
   pending = 0
-  for (_, new), (_, old), size in zip(new_ar.level_states, old_ar.level_states, sizes):
-    mass = _pending(old.residual, 2, 4, size)
-    chex.assert_trees_all_equal(_pending(new.residual, hosts, local, size), mass)
+  for (new, index), (old, _) in zip(new_residuals, old_residuals):
+    mass = _pending(old, 2, 4, sizes[index])
+    chex.assert_trees_all_equal(_pending(new, hosts, local, sizes[index]), mass)
     pending += int(jnp.count_nonzero(mass))
-  assert pending > 5  # top-k(0.5) left mass pending (leaf b's 1-element shards send it all)
+  assert pending > 5  # mass was pending (top-k: leaf b's 1-element shards send it all)
   _, loss = trainer.step(state, batch)
   assert jnp.isfinite(loss)
 
