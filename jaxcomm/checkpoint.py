@@ -619,8 +619,14 @@ class _ShardedLayout:
     if axis not in saved_mesh:
       raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
     leaves, self.treedef = jax.tree.flatten(params)
-    shapes = tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
-    self.tx, self.spec = hsdp.on_shards(tx, axis, shapes), PartitionSpec(axis)
+    for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+      if len(leaf.shape) != 1:
+        raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
+                         f"params{jax.tree_util.keystr(path)} is split along a dimension "
+                         f"(shape {tuple(leaf.shape)}): restore on the saved mesh shape.")
+    layout = hsdp.ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis,
+                              (None,) * len(leaves))
+    self.tx, self.spec = hsdp.on_shards(tx, layout), PartitionSpec(axis)
     self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
     self.saved_group = saved_mesh[axis]
     self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)

@@ -52,14 +52,17 @@ _SHARDED_LEAVES: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_hsdp_l
 
 
 class ShardLayout(NamedTuple):
-  """Where each parameter leaf's flat shard comes from.
+  """Where each parameter leaf's shard comes from.
 
   Attributes:
     shapes: the leaves' full shapes, in ``jax.tree.leaves`` order.
     axis: the fast mesh axis the shards are split over.
+    dims: per leaf, ``None`` (flat, zero-padded shards) or the dimension split over ``axis``
+      (from a ``PartitionSpec`` / ``nnx.with_partitioning`` annotation naming ``axis``).
   """
   shapes: tuple
   axis: str
+  dims: tuple
 
 
 def check_shard_axis(mesh: Mesh, axis: Any) -> str:
@@ -70,22 +73,80 @@ def check_shard_axis(mesh: Mesh, axis: Any) -> str:
   return axis
 
 
-def shard_params(params, mesh: Mesh, axis: str) -> tuple[Any, ShardLayout]:
-  """Flat, zero-padded ``1/G`` shards of ``params`` placed on ``mesh``.
+def _leaf_dim(name: str, shape: tuple, spec, mesh: Mesh, axis: str) -> int | None:
+  """The dimension ``spec`` splits over ``axis`` (``None``: flat shards), after checking it."""
+  if not isinstance(spec, PartitionSpec):
+    raise TypeError(f"specs{name} must be a PartitionSpec, got {spec!r}.")
+  entries = [entry if isinstance(entry, tuple) else (entry,) for entry in spec]
+  names = [n for entry in entries for n in entry if n is not None]
+  for n in names:
+    if n not in mesh.axis_names:
+      raise ValueError(f"specs{name} = {spec} names {n!r}, which the mesh lacks (axes "
+                       f"{tuple(mesh.axis_names)}).")
+    if n != axis:
+      raise ValueError(f"specs{name} = {spec} names {n!r}, but with shard_over={axis!r} the "
+                       f"parameters are replicated over the other axes: name only {axis!r}.")
+  if len(spec) > len(shape) or len(names) > 1 or any(len(e) > 1 for e in entries if axis in e):
+    raise ValueError(f"specs{name} = {spec} must split at most one of the {len(shape)} "
+                     f"dimensions of shape {shape} over {axis!r}.")
+  dim = next((i for i, entry in enumerate(entries) if axis in entry), None)
+  group = mesh.shape[axis]
+  if dim is not None and shape[dim] % group:
+    raise ValueError(f"specs{name} = {spec} splits dimension {dim} of shape {shape} over the "
+                     f"{group} devices of {axis!r}, which does not divide {shape[dim]}: "
+                     "annotate another dimension, or none (flat shards, zero-padded).")
+  return dim
+
+
+def leaf_dims(params, specs, mesh: Mesh, axis: str) -> tuple:
+  """Per leaf of ``params``, the dimension ``specs`` (a ``PartitionSpec`` pytree with
+  ``params``' structure, or ``None``) splits over ``axis``; ``None`` where it names none.
+
+  Raises:
+    ValueError: a spec naming an axis the mesh lacks or another axis than ``axis``, more
+      than one dimension, or a dimension ``axis``'s size does not divide; specs of another
+      structure.
+  """
+  paths = jax.tree_util.tree_flatten_with_path(params)[0]
+  if specs is None:
+    return (None,) * len(paths)
+  flat = jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, PartitionSpec))
+  if len(flat) != len(paths):
+    raise ValueError(f"specs must have one PartitionSpec per parameter leaf ({len(paths)}), "
+                     f"got {len(flat)}.")
+  return tuple(_leaf_dim(jax.tree_util.keystr(path), tuple(jnp.shape(leaf)), spec, mesh, axis)
+               for (path, leaf), spec in zip(paths, flat))
+
+
+def _spec(dim: int | None, axis: str) -> PartitionSpec:
+  return PartitionSpec(axis) if dim is None else PartitionSpec(*[None] * dim, axis)
+
+
+def layout_specs(shards, layout: ShardLayout):
+  """The ``PartitionSpec`` pytree of ``shards`` (``shard_map``'s ``in_specs`` entry)."""
+  return jax.tree.unflatten(jax.tree.structure(shards),
+                            [_spec(dim, layout.axis) for dim in layout.dims])
+
+
+def shard_params(params, mesh: Mesh, axis: str, dims: tuple) -> tuple[Any, ShardLayout]:
+  """``1/G`` shards of ``params`` placed on ``mesh``: split along ``dims[i]`` where it is set,
+  else flat and zero-padded.
 
   Returns:
-    ``(shards, layout)``: ``shards`` has ``params``' structure, each leaf a global array of
-    shape ``(G * ceil(d/G),)`` with ``PartitionSpec(axis)`` (replicated over other axes).
+    ``(shards, layout)``: ``shards`` has ``params``' structure; a flat leaf is a global array
+    of shape ``(G * ceil(d/G),)`` with ``PartitionSpec(axis)``, a dimension-split one keeps
+    its shape, split along that dimension; all replicated over the other axes.
   """
   group = mesh.shape[axis]
   leaves, treedef = jax.tree.flatten(params)
-  sharding = NamedSharding(mesh, PartitionSpec(axis))
 
   def flat(leaf):
     return jnp.pad(leaf.reshape(-1), (0, -leaf.size % group))
 
-  shards = [jax.jit(flat, out_shardings=sharding)(jnp.asarray(leaf)) for leaf in leaves]
-  layout = ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis)
+  shards = [jax.jit(flat if dim is None else lambda leaf: leaf,
+                    out_shardings=NamedSharding(mesh, _spec(dim, axis)))(jnp.asarray(leaf))
+            for leaf, dim in zip(leaves, dims)]
+  layout = ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis, tuple(dims))
   return treedef.unflatten(shards), layout
 
 
@@ -95,14 +156,16 @@ def gather_params(shards, layout: ShardLayout):
   transpose is the gradient's reduce-scatter, as many bytes)."""
   leaves, treedef = jax.tree.flatten(shards)
   full = [jax.lax.all_gather(leaf, layout.axis, tiled=True)[:math.prod(shape)].reshape(shape)
-          for leaf, shape in zip(leaves, layout.shapes)]
+          if dim is None else jax.lax.all_gather(leaf, layout.axis, axis=dim, tiled=True)
+          for leaf, shape, dim in zip(leaves, layout.shapes, layout.dims)]
   return treedef.unflatten(full)
 
 
 def unshard_params(shards, layout: ShardLayout):
   """Outside ``shard_map``: the full parameters, replicated (for ``trainer.model``)."""
   leaves, treedef = jax.tree.flatten(shards)
-  full = [leaf[:math.prod(shape)].reshape(shape) for leaf, shape in zip(leaves, layout.shapes)]
+  full = [leaf[:math.prod(shape)].reshape(shape) if dim is None else leaf
+          for leaf, shape, dim in zip(leaves, layout.shapes, layout.dims)]
   return treedef.unflatten(full)
 
 
@@ -110,11 +173,13 @@ class ShardedLeaves(NamedTuple):
   """What shard-aware transformations see inside :func:`on_shards` (:func:`sharded_leaves`).
 
   Attributes:
-    axis: the mesh axis the flat leaves are sharded over.
+    axis: the mesh axis the leaves are sharded over.
     shapes: the full shapes of the leaves, in ``jax.tree.leaves`` order.
+    dims: per leaf, ``None`` (a flat shard) or the dimension split over ``axis``.
   """
   axis: str
   shapes: tuple
+  dims: tuple
 
 
 def sharded_leaves() -> ShardedLeaves | None:
@@ -124,8 +189,9 @@ def sharded_leaves() -> ShardedLeaves | None:
 
 
 @contextlib.contextmanager
-def _sharded(axis: str, shapes: tuple) -> Iterator[None]:
-  token = _SHARDED_LEAVES.set(ShardedLeaves(axis, shapes))
+def _sharded(layout: ShardLayout) -> Iterator[None]:
+  axis = layout.axis
+  token = _SHARDED_LEAVES.set(ShardedLeaves(axis, layout.shapes, layout.dims))
   try:
     with prescattered((axis,)):
       yield
@@ -133,11 +199,11 @@ def _sharded(axis: str, shapes: tuple) -> Iterator[None]:
     _SHARDED_LEAVES.reset(token)
 
 
-def on_shards(tx: optax.GradientTransformation, axis: str,
-              shapes: tuple) -> optax.GradientTransformation:
-  """``tx`` run on shards reduce-scattered over ``axis``; ``shapes``: the parameter leaves'
-  full shapes (:class:`ShardLayout`), which shard-aware transformations read
-  (:func:`sharded_leaves`; PowerSGD factorizes column blocks with them).
+def on_shards(tx: optax.GradientTransformation,
+              layout: ShardLayout) -> optax.GradientTransformation:
+  """``tx`` run on shards reduce-scattered over ``layout.axis``; shard-aware transformations
+  read the leaves' full shapes and split dimensions (:func:`sharded_leaves`; PowerSGD
+  factorizes column blocks with them).
 
   ``update`` takes the *sum* over ``axis`` of the devices' gradients of this device's shard
   (what the transpose of :func:`gather_params` gives) and hands ``tx`` their mean, inside
@@ -151,8 +217,10 @@ def on_shards(tx: optax.GradientTransformation, axis: str,
   device, but under sharding such a leaf belongs to this device's shard).
   """
 
+  axis = layout.axis
+
   def init(params):
-    with _sharded(axis, shapes):
+    with _sharded(layout):
       state = tx.init(params)
     shard_shapes = {jnp.shape(leaf) for leaf in jax.tree.leaves(params)}
 
@@ -166,29 +234,30 @@ def on_shards(tx: optax.GradientTransformation, axis: str,
 
   def update(grads, state, params=None):
     group = jax.lax.axis_size(axis)
-    with _sharded(axis, shapes):
+    with _sharded(layout):
       return tx.update(jax.tree.map(lambda g: g / group, grads), state, params)
 
   return optax.GradientTransformation(init, update)
 
 
-def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, axis: str):
+def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, layout: ShardLayout):
   """``(opt_state, specs)`` of ``tx`` (made with :func:`on_shards`) on ``shards``, after
   :func:`check_shardable`; a ``tx.init`` that cannot trace on shards is a ``ValueError``."""
+  axis, params_specs = layout.axis, layout_specs(shards, layout)
   try:
-    opt_state, specs = sharded_init(tx, shards, mesh, PartitionSpec(axis))
+    opt_state, specs = sharded_init(tx, shards, mesh, params_specs)
   except (TypeError, ValueError) as error:
     raise ValueError(
         f"shard_over={axis!r}: tx.init fails on flat parameter shards (different on each "
         f"device of {axis!r}, replicated over the other axes): {error} Algorithms that keep "
         "per-device parameters (jaxcomm.local_sgd, diloco, slowmo, bmuf, sparseloco) cannot run on "
         "shards; use shard_over=None.") from error
-  check_shardable(tx, shards, opt_state, specs, mesh, axis)
+  check_shardable(tx, shards, opt_state, specs, mesh, axis, params_specs)
   return opt_state, specs
 
 
 def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_specs,
-                    mesh: Mesh, axis: str) -> None:
+                    mesh: Mesh, axis: str, params_specs) -> None:
   """Refuses a ``tx`` (made with :func:`on_shards`) that cannot run exactly on flat shards.
 
   Three checks: no state node of a transformation that needs the leaf's shape (adafactor,
@@ -220,8 +289,7 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
                      for leaf in jax.tree.leaves(updates))
     return ()
 
-  jaxpr = jax.make_jaxpr(jax.shard_map(probe, mesh=mesh, in_specs=(PartitionSpec(axis),
-                                                                   state_specs),
+  jaxpr = jax.make_jaxpr(jax.shard_map(probe, mesh=mesh, in_specs=(params_specs, state_specs),
                                        out_specs=()))(shards, opt_state)
   for primitive, axes, shape, scope in _collectives(jaxpr.jaxpr):
     if axis in axes and any(dim != 1 for dim in shape) and SHARD_AWARE_SCOPE not in scope:
@@ -277,8 +345,9 @@ def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression
   residual shaped like its flat shard; ``()`` for a leaf sent dense."""
   group = jax.lax.axis_size(shards.axis)
   states = []
-  for index, (leaf, shape) in enumerate(zip(leaves, shards.shapes)):
-    columns = column_blocks(shape, group, rank, min_compression_rate)
+  for index, (leaf, shape, dim) in enumerate(zip(leaves, shards.shapes, shards.dims)):
+    # A flat shard, or one split along the leading dimension, is a block of whole columns.
+    columns = column_blocks(shape, group, rank, min_compression_rate) if not dim else 0
     if not columns:
       states.append(())
       continue
@@ -323,8 +392,9 @@ def powersgd_on_shards(leaves, states, shards: ShardedLeaves, *, slow_axis: str,
     with jax.named_scope(SHARD_AWARE_SCOPE):
       alive = jax.lax.psum(jnp.sum(q * q, axis=0, keepdims=True), axis) > 0
     finite = jax.lax.pmin(jnp.all(jnp.isfinite(approx)).astype(jnp.int32), axis) > 0
-    residual = ((corrected - approx / hosts).T.reshape(-1) if feedback else state.residual)
-    outputs.append(approx.T.reshape(-1))
+    residual = ((corrected - approx / hosts).T.reshape(leaf.shape) if feedback
+                else state.residual)
+    outputs.append(approx.T.reshape(leaf.shape))
     new_states.append(PowerSGDLeafState(
         q=jnp.where(finite, jnp.where(alive, q, state.q), state.q),
         residual=jnp.where(finite, residual, state.residual)))
