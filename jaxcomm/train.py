@@ -280,6 +280,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
         specs = nnx.get_partition_spec(params)  # nnx.with_partitioning annotations
       params, layout = hsdp.shard_params(params, mesh, shard_over,
                                          hsdp.leaf_dims(params, specs, mesh, shard_over))
+      if hsdp.keeps_per_host_params(hsdp.on_shards(tx, layout), params, mesh, layout):
+        params, layout = hsdp.per_host_params(params, layout, mesh)
       opt_state, _ = hsdp.init_on_shards(hsdp.on_shards(tx, layout), params, mesh, layout)
     module["graphdef"], module["layout"] = graphdef, layout
     return TrainState(params, opt_state, None if key is None else jax.device_put(key, replicated))
@@ -287,8 +289,9 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
   def model(state: TrainState):
     if shard_over is None:
       return as_model(state.params)
-    return as_model(jax.jit(hsdp.unshard_params, static_argnums=1,
-                            out_shardings=replicated)(state.params, module["layout"]))
+    copies = mesh.size // mesh.shape[shard_over]
+    return as_model(jax.jit(hsdp.unshard_params, static_argnums=(1, 2),
+                            out_shardings=replicated)(state.params, module["layout"], copies))
 
   return Trainer(init, _Step(build, lambda: (module["graphdef"], module["layout"]),
                              _Dispatcher(max_in_flight), watchdog), model)

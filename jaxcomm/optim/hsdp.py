@@ -33,17 +33,21 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxcomm.collectives.hierarchical import prescattered
 from jaxcomm.collectives.powersgd import PowerSGDLeafState
 from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
-from jaxcomm.optim.sharding import sharded_init
+from jaxcomm.optim.sharding import sharded_init, state_specs
 
 # Collectives as jaxpr primitives, with the parameter naming their axes.
 _COLLECTIVES = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "axis_name",
                 "all_gather_invariant": "axis_name", "reduce_scatter": "axis_name",
                 "psum_scatter": "axis_name", "ppermute": "axis_name", "all_to_all": "axis_name",
                 "psum_invariant": "axes"}
-# State types of transformations that need a leaf's full shape, which flat shards lose.
-_NEEDS_SHAPE = {"FactoredState": "optax.adafactor (factored second moments need the matrix)",
-                "LeafAllReduceState": "a whole-leaf matrix compressor (e.g. gradzip: its basis "
-                                      "needs the matrix)"}
+# State types of transformations that cannot run on shards, and why.
+_NEEDS_SHAPE = {"FactoredState": "optax.adafactor, whose factored second moments need the "
+                                 "matrix, which flat shards lose",
+                "LeafAllReduceState": "a whole-leaf matrix compressor (e.g. gradzip), whose "
+                                      "basis needs the matrix, which flat shards lose",
+                "SparseLoCoSyncState": "jaxcomm.sparseloco, whose inner step pmeans the "
+                                       "gradient over the fast axis and whose sync "
+                                       "reduce-scatters there itself (the shards differ there)"}
 # Collectives over the sharded axis that shard-aware code declares by this name scope (PowerSGD's
 # column-block products); check_shardable allows them.
 SHARD_AWARE_SCOPE = "hsdp_shard_aware"
@@ -59,10 +63,13 @@ class ShardLayout(NamedTuple):
     axis: the fast mesh axis the shards are split over.
     dims: per leaf, ``None`` (flat, zero-padded shards) or the dimension split over ``axis``
       (from a ``PartitionSpec`` / ``nnx.with_partitioning`` annotation naming ``axis``).
+    per_host: ``()`` (shards replicated over the other axes), or those axes: every host
+      keeps its own parameters (:func:`per_host_params`), flat shards only.
   """
   shapes: tuple
   axis: str
   dims: tuple
+  per_host: tuple = ()
 
 
 def check_shard_axis(mesh: Mesh, axis: Any) -> str:
@@ -124,8 +131,35 @@ def _spec(dim: int | None, axis: str) -> PartitionSpec:
 
 def layout_specs(shards, layout: ShardLayout):
   """The ``PartitionSpec`` pytree of ``shards`` (``shard_map``'s ``in_specs`` entry)."""
+  if layout.per_host:
+    return jax.tree.map(lambda _: PartitionSpec((*layout.per_host, layout.axis)), shards)
   return jax.tree.unflatten(jax.tree.structure(shards),
                             [_spec(dim, layout.axis) for dim in layout.dims])
+
+
+def keeps_per_host_params(tx: optax.GradientTransformation, shards, mesh: Mesh,
+                          layout: ShardLayout) -> bool:
+  """Whether ``tx`` (made with :func:`on_shards`) keeps per-worker parameters between
+  synchronizations (its state holds a ``PeriodicState``: local SGD, DiLoCo, streaming
+  DiLoCo, SlowMo, FedAvg), traced without computing."""
+  specs = state_specs(tx, shards, mesh, layout_specs(shards, layout))
+  nodes = jax.tree.leaves(specs, is_leaf=lambda n: type(n).__name__ == "PeriodicState")
+  return any(type(node).__name__ == "PeriodicState" for node in nodes)
+
+
+def per_host_params(shards, layout: ShardLayout, mesh: Mesh) -> tuple[Any, ShardLayout]:
+  """Every host's own copy of the flat ``shards``: each leaf tiled to ``(H G ceil(d/G),)``
+  with ``PartitionSpec((*slow_axes, axis))`` (the hosts are the workers of local SGD and
+  DiLoCo, each a ``G``-device sharded data-parallel group)."""
+  if any(dim is not None for dim in layout.dims):
+    raise ValueError("per-host parameters (local SGD, DiLoCo, SlowMo under shard_over) need "
+                     "flat shards; drop the PartitionSpec / nnx.with_partitioning annotations.")
+  slow = tuple(a for a in mesh.axis_names if a != layout.axis)
+  copies = math.prod(mesh.shape[a] for a in slow)
+  sharding = NamedSharding(mesh, PartitionSpec((*slow, layout.axis)))
+  tiled = jax.tree.map(lambda leaf: jax.jit(lambda x: jnp.tile(x, copies),
+                                            out_shardings=sharding)(leaf), shards)
+  return tiled, layout._replace(per_host=slow)
 
 
 def shard_params(params, mesh: Mesh, axis: str, dims: tuple) -> tuple[Any, ShardLayout]:
@@ -161,9 +195,12 @@ def gather_params(shards, layout: ShardLayout):
   return treedef.unflatten(full)
 
 
-def unshard_params(shards, layout: ShardLayout):
-  """Outside ``shard_map``: the full parameters, replicated (for ``trainer.model``)."""
+def unshard_params(shards, layout: ShardLayout, copies: int = 1):
+  """Outside ``shard_map``: the full parameters, replicated (for ``trainer.model``); with
+  per-host parameters (``copies`` hosts), their mean over the hosts."""
   leaves, treedef = jax.tree.flatten(shards)
+  if layout.per_host:
+    leaves = [jnp.mean(leaf.reshape(copies, -1), axis=0) for leaf in leaves]
   full = [leaf[:math.prod(shape)].reshape(shape) if dim is None else leaf
           for leaf, shape, dim in zip(leaves, layout.shapes, layout.dims)]
   return treedef.unflatten(full)
@@ -250,14 +287,15 @@ def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, layout:
     raise ValueError(
         f"shard_over={axis!r}: tx.init fails on flat parameter shards (different on each "
         f"device of {axis!r}, replicated over the other axes): {error} Algorithms that keep "
-        "per-device parameters (jaxcomm.local_sgd, diloco, slowmo, bmuf, sparseloco) cannot run on "
-        "shards; use shard_over=None.") from error
-  check_shardable(tx, shards, opt_state, specs, mesh, axis, params_specs)
+        "per-device state outside the periodic-averaging engine (jaxcomm.zero_one_adam, bmuf) "
+        "cannot run on shards; use shard_over=None.") from error
+  check_shardable(tx, shards, opt_state, specs, mesh, axis, params_specs,
+                  per_host=bool(layout.per_host))
   return opt_state, specs
 
 
 def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_specs,
-                    mesh: Mesh, axis: str, params_specs) -> None:
+                    mesh: Mesh, axis: str, params_specs, per_host: bool = False) -> None:
   """Refuses a ``tx`` (made with :func:`on_shards`) that cannot run exactly on flat shards.
 
   Three checks: no state node of a transformation that needs the leaf's shape (adafactor,
@@ -266,7 +304,8 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   reduce-scatter already done, and shards differ across ``axis``, so averaging them there
   (e.g. ``jaxcomm.dgc`` or a pmean over every axis) would be wrong; and its updates are the
   same on every host, as the replicated shards need (not so for per-device parameters
-  between synchronizations: local SGD, DiLoCo, SlowMo, BMUF, 0/1 Adam's local steps).
+  between synchronizations: BMUF, 0/1 Adam's local steps), unless ``per_host`` (the
+  parameters are per-host, :func:`per_host_params`: local SGD, DiLoCo, SlowMo).
 
   Raises:
     ValueError: naming the transformation or the collective, its axes and its operand.
@@ -275,15 +314,15 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   for node in nodes:
     if type(node).__name__ in _NEEDS_SHAPE:
       raise ValueError(f"shard_over={axis!r}: tx holds a {type(node).__name__}, i.e. "
-                       f"{_NEEDS_SHAPE[type(node).__name__]}, which cannot run on flat 1/G "
-                       "shards; use an elementwise compressor and optimizer, or "
-                       "shard_over=None.")
+                       f"{_NEEDS_SHAPE[type(node).__name__]}: it cannot run on 1/G shards; "
+                       "use an elementwise compressor and optimizer, or shard_over=None.")
   others = tuple(a for a in mesh.axis_names if a != axis)
 
   differing = []
 
   def probe(shards, opt_state):
-    grads = jax.lax.pcast(shards, others, to="varying") if others else shards
+    grads = jax.tree.map(lambda leaf: jax.lax.pcast(leaf, others, to="varying")
+                         if others and not per_host else leaf, shards)
     updates = tx.update(grads, opt_state, shards)[0]
     differing.extend(set(others) & set(jax.typeof(leaf).mat.varying)
                      for leaf in jax.tree.leaves(updates))
@@ -300,12 +339,13 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
           f"only communicate over {others}. Transformations that average over every axis "
           "themselves (jaxcomm.dgc, powersgd_allreduce, a pmean over all axes) cannot run on "
           "shards: use jaxcomm.compressed_allreduce(...) or shard_over=None.")
-  if any(differing):
+  if any(differing) and not per_host:
     raise ValueError(
         f"shard_over={axis!r}: tx.update returns updates that differ across mesh axes "
         f"{tuple(sorted(set().union(*differing)))}, but the parameter shards are replicated "
-        "over them. Algorithms that keep per-device parameters between synchronizations "
-        "(jaxcomm.local_sgd, diloco, slowmo, bmuf, zero_one_adam) cannot run on shards; put "
+        "over them. Per-host parameters are kept for the periodic-averaging algorithms only "
+        "(jaxcomm.local_sgd, diloco, streaming_diloco, slowmo); others (bmuf, zero_one_adam, "
+        "an optimizer without an allreduce) cannot run on shards: put "
         "jaxcomm.compressed_allreduce(...) first in the chain, or use shard_over=None.")
 
 

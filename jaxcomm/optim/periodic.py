@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.optim.local_training import device_count, manual_axes, vary
 
@@ -50,6 +51,14 @@ class PeriodicState(NamedTuple):
   sync: tuple
   key: jax.Array
   count: jax.Array
+
+
+def worker_axes(caller: str) -> tuple[str, ...]:
+  """The mesh axes across which workers hold different models: every manual axis, but the
+  one parameters are sharded over under ``data_parallel(..., shard_over=)`` (there a host's
+  devices together hold one worker's model: :func:`jaxcomm.optim.hsdp.sharded_leaves`)."""
+  shards = hsdp.sharded_leaves()
+  return tuple(a for a in manual_axes(caller) if shards is None or a != shards.axis)
 
 
 def fragment_leaves(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -125,7 +134,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
   stride = period // fragments
 
   def init(params) -> PeriodicState:
-    axes = manual_axes("periodic averaging init")
+    axes = worker_axes("periodic averaging init")
     anchor = jax.tree.map(lambda leaf: jax.lax.pmean(leaf, axes), params)
     leaves = jax.tree.leaves(anchor)
     groups = fragment_leaves([leaf.size for leaf in leaves], fragments)
@@ -137,7 +146,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
 
   def merge(local, anchor, group):
     """``theta_i = mixing theta_i + (1 - mixing) theta_sync`` on the group's leaves, in place."""
-    axes = manual_axes("periodic averaging update")
+    axes = worker_axes("periodic averaging update")
     for i in group:
       local[i] = vary(anchor[i], axes) if mixing == 0.0 else \
           mixing * local[i] + (1 - mixing) * anchor[i]
@@ -149,7 +158,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
 
   def synchronize(f, group, round_key, operands):
     local, anchor, outer_states, sync_states = (list(x) for x in operands)
-    axes = manual_axes("periodic averaging update")
+    axes = worker_axes("periodic averaging update")
     scale = 1.0 if client_weight is None else \
         device_count(axes) * client_weight(round_key, axes)
     deltas = [(anchor[i] - local[i]) * scale for i in group]
