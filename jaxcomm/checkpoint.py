@@ -620,6 +620,12 @@ class _ShardedLayout:
       raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
     leaves, self.treedef = jax.tree.flatten(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+      spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+      if len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1:
+        raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps parameters "
+                         f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
+                         f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
+                         "mesh shape.")
       if len(leaf.shape) != 1:
         raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
                          f"params{jax.tree_util.keystr(path)} is split along a dimension "
