@@ -50,7 +50,8 @@ def test_warmup_density_then_final_density_and_momentum_masking():
     np.testing.assert_allclose(fraction, max(1, int(0.1 * size)) / size)
 
 
-@pytest.mark.parametrize("strategy, fast_axis", TOPOLOGIES)
+# Both strategies and both axis layouts (the exactness test above covers every pair).
+@pytest.mark.parametrize("strategy, fast_axis", [("gather", None), ("two_phase", "local")])
 def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy, fast_axis):
   tx = optax.chain(dgc(0.05, warmup_steps=4, clip_norm=10.0, strategy=strategy,
                        fast_axis=fast_axis), optax.sgd(LR))
