@@ -17,6 +17,7 @@ from jaxcomm.compress.base import (check_float, check_fraction, check_int_range,
                                    check_unit_interval)
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.local_training import device_count, manual_axes, vary
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%
@@ -131,26 +132,38 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
                        "no axis to exchange over; use fast_axis=None for DGC over its devices.")
     return axes, workers, jax.lax.axis_size(fast_axis)
 
-  def shard_shape(leaf, group: int) -> tuple[int, ...]:
-    return leaf.shape if fast_axis is None else (-(-leaf.size // group),)
+  def prescattered(caller: str) -> bool:
+    """Under ``data_parallel(..., shard_over=fast_axis)`` each gradient already is this
+    device's shard of the host mean and updates stay shards: no reduce-scatter, no
+    all-gather (``group`` is then ``None`` below)."""
+    shards = hsdp.sharded_leaves()
+    if shards is not None and shards.axis != fast_axis:
+      raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} "
+                       f"(shard_over), so dgc needs fast_axis={shards.axis!r}; got "
+                       f"fast_axis={fast_axis!r}.")
+    return shards is not None
 
-  def host_mean_shard(grad, group: int):
+  def shard_shape(leaf, group: int | None) -> tuple[int, ...]:
+    return leaf.shape if fast_axis is None or group is None else (-(-leaf.size // group),)
+
+  def host_mean_shard(grad, group: int | None):
     """This device's shard of the mean of ``grad`` over ``fast_axis`` (reduce-scatter)."""
-    if fast_axis is None:
+    if fast_axis is None or group is None:
       return grad
     flat = grad.reshape(-1) / group
     flat = jnp.pad(flat, (0, group * shard_shape(grad, group)[0] - flat.size))
     return jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True)
 
-  def gather_back(mean, leaf):
+  def gather_back(mean, leaf, group: int | None):
     """The mean shards of the host's devices put back together (all-gather over fast_axis)."""
-    if fast_axis is None:
+    if fast_axis is None or group is None:
       return mean
     whole = jax.lax.all_gather(mean, fast_axis, tiled=True, to="invarying")
     return whole[:leaf.size].reshape(leaf.shape)
 
   def init(params) -> DGCState:
     axes, workers, group = topology("dgc.init")
+    group = None if prescattered("dgc.init") else group
     zeros = lambda p: vary(jnp.zeros(shard_shape(p, group), jnp.float32), axes)
     count = device_count(workers)
     server = tuple(
@@ -186,6 +199,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   def update(grads, state: DGCState, params=None):
     del params
     _, workers, group = topology("dgc.update")
+    group = None if prescattered("dgc.update") else group
     leaves, treedef = jax.tree.flatten(grads)
     grads32 = [host_mean_shard(g.astype(jnp.float32), group) for g in leaves]
     if clip_norm is not None:
@@ -199,7 +213,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     stages = [lambda ops, s=s: sparse_step(s, workers, ops) for s in range(len(densities))]
     means, u, v, server = jax.lax.switch(  # the last stage is the steady state
         stage, [warmup(f) for f in stages[:-1]] + stages[-1:], (u, v, state.server_residual))
-    updates = [gather_back(m, g).astype(g.dtype) for m, g in zip(means, leaves)]
+    updates = [gather_back(m, g, group).astype(g.dtype) for m, g in zip(means, leaves)]
     return treedef.unflatten(updates), DGCState(
         momentum=treedef.unflatten(u), velocity=treedef.unflatten(v),
         server_residual=tuple(server), count=state.count + 1)
