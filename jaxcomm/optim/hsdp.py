@@ -44,10 +44,7 @@ _COLLECTIVES = {"psum": "axes", "pmax": "axes", "pmin": "axes", "all_gather": "a
 _NEEDS_SHAPE = {"FactoredState": "optax.adafactor, whose factored second moments need the "
                                  "matrix, which flat shards lose",
                 "LeafAllReduceState": "a whole-leaf matrix compressor (e.g. gradzip), whose "
-                                      "basis needs the matrix, which flat shards lose",
-                "SparseLoCoSyncState": "jaxcomm.sparseloco, whose inner step pmeans the "
-                                       "gradient over the fast axis and whose sync "
-                                       "reduce-scatters there itself (the shards differ there)"}
+                                      "basis needs the matrix, which flat shards lose"}
 # Collectives over the sharded axis that shard-aware code declares by this name scope (PowerSGD's
 # column-block products); check_shardable allows them.
 SHARD_AWARE_SCOPE = "hsdp_shard_aware"
