@@ -10,7 +10,7 @@ communication), and projects the gradient allreduce of a 7B transformer on 8 x 8
 prints tables and writes JSON, CSV and PNG plots under ``--out``.
 
 Run ``python -m benchmarks.mesh_scan --help`` for the flags, ``--quick`` for a short scan,
-``--profile lm`` for the full-length language-model quality table (every method of
+``--profile full`` for every method (about twice the default's runs), ``--profile lm`` for the full-length language-model quality table (every method of
 :data:`LM_METHODS` on the GPT of :mod:`models.gpt`, 2x4 mesh, 1,000 steps, seeds 0 and 1;
 docs/results.md has its 300-step form).
 """
@@ -53,19 +53,36 @@ GPT_DEFAULT_STEPS = 100
 LM_METHODS = ("fp32", "fp32-hier", "int8", "sign-ef", "topk-ef", "topk-ef-default",
               "powersgd-r1", "powersgd-r4", "onebit-adam", "demo", "diloco-h8", "sparseloco-h8",
               "streaming-diloco-h8-q4", "streaming-diloco-h8-q2")
-#: Its shortened form in the default profile: as many runs as the transformer block it
-#: replaced (5 methods x 100 steps), an eighth of that block's tokens per step.
+#: Its shortened form in the default and full profiles.
 LM_DEFAULT_METHODS = ("fp32", "fp32-hier", "topk-ef", "demo", "sparseloco-h8")
+#: The default profile's methods on the char LM: the references, one of each compressor family
+#: and strategy, and the main low-communication optimizers (``--profile full`` runs every
+#: method). Each run costs about 7 s on 2 CPU cores, most of it compilation, so the profile
+#: keeps 35 runs to finish the README's main job in well under 6 minutes.
+DEFAULT_METHODS = ("fp32", "fp32-hier", "identity", "bf16", "int8", "qsgd", "terngrad", "sign-ef",
+                   "topk-ef", "topk-ef-2p", "randomk-ef", "sketch", "powersgd-r1", "powersgd-r4",
+                   "dgc", "onebit-adam", "zero-one-adam", "local-sgd-h8", "diloco-h8",
+                   "gossip-ring", "accumulate-k4", "demo", "sparseloco-h8",
+                   "streaming-diloco-h8-q4")
 PROFILES = {
     "quick": Profile("quick", 60, 20, (
         Scan(("charlm",), ("2x4",), ("fp32", "fp32-hier", "identity", "int8", "sign-ef",
                                      "topk-ef", "powersgd-r1")),
         Scan(("charlm",), ("4x2",), ("fp32", "topk-ef", "topk-ef-2p")),
     )),
+    # The char LM at 2x4 with DEFAULT_METHODS; 4x2 and 8x1 shorter, for the strategies' bytes
+    # and step times; the ResNet shorter still; the GPT quality table shortened to
+    # GPT_DEFAULT_STEPS steps, one seed.
+    "default": Profile("default", 300, 50, (
+        Scan(("charlm",), ("2x4",), DEFAULT_METHODS),
+        Scan(("charlm",), ("4x2", "8x1"), ("fp32", "topk-ef", "topk-ef-2p"), steps=60),
+        Scan(("resnet",), ("2x4",), ("fp32", "powersgd-r4"), steps=30),
+        Scan(("gpt",), ("2x4",), ("fp32", "topk-ef", "sparseloco-h8"), steps=GPT_DEFAULT_STEPS),
+    )),
     # Every method on the char LM at 2x4; the other meshes and the ResNet shorter, for bytes
     # and step times (one host has no inter-host traffic to compress: fp32 and fp32-hier);
-    # the quality table on the GPT shortened to GPT_DEFAULT_STEPS steps, one seed.
-    "default": Profile("default", 300, 50, (
+    # the GPT block with LM_DEFAULT_METHODS.
+    "full": Profile("default", 300, 50, (
         Scan(("charlm",), ("2x4",), ALL_METHODS),
         Scan(("charlm",), ("1x8",), ("fp32", "fp32-hier"), steps=60),
         Scan(("charlm",), ("4x2", "8x1"), ("fp32", "fp32-hier", "int8", "topk-ef", "topk-ef-2p"),
@@ -111,9 +128,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
   parser.add_argument("--profile", choices=tuple(PROFILES), default="default",
                       help="the plan: quick (small models, 60 steps, a few methods), default "
-                      "(every method on the char LM, other meshes and models shorter, a "
-                      f"{GPT_DEFAULT_STEPS}-step GPT quality table), lm (the GPT quality table, "
-                      "1000 steps, seeds 0,1)")
+                      f"({len(DEFAULT_METHODS)} methods on the char LM, other meshes and models "
+                      f"shorter, a {GPT_DEFAULT_STEPS}-step GPT quality table), full (every "
+                      "method on the char LM, more meshes and methods elsewhere), lm (the GPT "
+                      "quality table, 1000 steps, seeds 0,1)")
   parser.add_argument("--quick", action="store_true", help="same as --profile quick")
   parser.add_argument("--models", default=None,
                       help=f"comma-separated models, from {', '.join(TASKS)}; any of --models, "

@@ -106,6 +106,16 @@ def _split_module(model):
   return graphdef, params
 
 
+def split_params(model):
+  """``(graphdef, params)``: an ``nnx.Module`` split into its graph and its ``nnx.Param``
+  state (``nnx.merge(graphdef, params)`` rebuilds it), or ``(None, model)`` for a pytree.
+
+  Raises:
+    ValueError: the module holds variables other than ``nnx.Param`` (batch statistics, Rngs).
+  """
+  return _split_module(model)
+
+
 class _Dispatcher:
   """Bounds the steps in flight: before dispatching a step, waits until at most
   ``max_in_flight`` earlier ones may be unfinished (``None``: never waits). With 1, step

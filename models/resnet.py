@@ -8,6 +8,7 @@ are the whole state (no running statistics to synchronize across devices).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import jax
@@ -100,6 +101,7 @@ def image_loss(graphdef):
   return loss
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
 def template_images(seed: int, samples: int, classes: int = 10, size: int = 32,
                     noise: float = 1.0) -> tuple[jax.Array, jax.Array]:
   """A generated CIFAR-shaped task: a class's smooth template, shifted, plus pixel noise.
@@ -112,6 +114,7 @@ def template_images(seed: int, samples: int, classes: int = 10, size: int = 32,
 
   Returns:
     ``(images, labels)``: float32 ``(samples, size, size, 3)`` and int32 ``(samples,)``.
+    Compiled once per ``(samples, classes, size)``.
   """
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
   coarse = jax.random.normal(keys[0], (classes, 8, 8, 3))

@@ -172,7 +172,7 @@ def test_powersgd_warmup_reports_its_steady_state():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   m, n, bias, rank = 48, 32, 32, 2
   params = {"w": jnp.zeros((m, n)), "b": jnp.zeros(bias)}
-  steady, warmup = _steady_and_warmup(jaxcomm.powersgd_allreduce(rank, start_step=10), params,
+  steady, warmup = _steady_and_warmup(jaxcomm.powersgd_allreduce(rank, warmup_steps=10), params,
                                       mesh)
   ring = 2 * (2 - 1) / 2
   assert steady == pytest.approx(ring * 4 * (rank * (m + n) + bias))  # factors + dense bias
@@ -184,7 +184,7 @@ def test_powersgd_warmup_reports_its_steady_state():
 def test_dgc_warmup_reports_its_steady_state():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params = {"w": jnp.zeros((64, 32))}
-  tx = jaxcomm.dgc(0.01, warmup_steps=5, fast_axis="local")
+  tx = jaxcomm.dgc(0.01, warmup_stage_steps=5, fast_axis="local")
   report = measure_update(tx, params, mesh)
   (switch, branches), = report.conditionals().items()
   rows = {(index, label): value["host"] for (name, index, label), value

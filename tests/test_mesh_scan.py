@@ -212,11 +212,16 @@ def test_profiles_run_the_lm_quality_table():
   assert lm.seeds == (0, 1) and lm.steps == 1000 and lm.size == "default"
   assert [tuple(scan) for scan in lm.plan] == [(("gpt",), ("2x4",), mesh_scan.LM_METHODS, None)]
   assert set(mesh_scan.LM_METHODS) <= set(REGISTRY)
-  default = mesh_scan.parse_args([])
-  assert default.seeds == (0,)
+  default, full = mesh_scan.parse_args([]), mesh_scan.parse_args(["--profile", "full"])
+  assert default.seeds == full.seeds == (0,)
   assert mesh_scan.Scan(("gpt",), ("2x4",), mesh_scan.LM_DEFAULT_METHODS,
-                        mesh_scan.GPT_DEFAULT_STEPS) in default.plan
+                        mesh_scan.GPT_DEFAULT_STEPS) in full.plan
   assert set(mesh_scan.LM_DEFAULT_METHODS) <= set(mesh_scan.LM_METHODS)
+  runs = lambda plan: {(model, mesh, method) for scan in plan for model in scan.models
+                       for mesh in scan.meshes for method in scan.methods}
+  assert runs(default.plan) < runs(full.plan)  # the default is a subset, of 35 runs
+  assert len(runs(default.plan)) == 35
+  assert {m for _, _, m in runs(full.plan)} == set(REGISTRY)
   assert mesh_scan.parse_args(["--profile", "lm", "--seed", "3"]).seeds == (3,)
 
 

@@ -100,9 +100,9 @@ def _pytree_params(params, loss_fn, spec: str):
   """``(pure-dict params, loss_fn(params, batch))`` from an ``nnx.Module`` or a pytree."""
   from flax import nnx
 
-  from jaxcomm.train import _split_module
+  from jaxcomm.train import split_params
   if isinstance(params, nnx.Module):
-    graphdef, state = _split_module(params)
+    graphdef, state = split_params(params)
     user_loss = loss_fn
     loss_fn = lambda p, batch: user_loss(nnx.merge(graphdef, p), batch)  # noqa: E731
     params = nnx.to_pure_dict(state)

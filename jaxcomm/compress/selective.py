@@ -1,7 +1,7 @@
 """Selective gradient compression: full precision, top-k or sign per leaf, from its statistics.
 
 Shapes must stay static under ``jit``, so the choice is not made inside the compiled step.
-The statistics are updated inside it (cheap, elementwise); every ``every`` steps the host
+The statistics are updated inside it (cheap, elementwise); every ``period`` steps the host
 reads them and picks a compressor per leaf, and the training loop uses the step compiled for
 that choice (at most three variants per leaf ever exist, so ``jit``'s cache holds them all).
 """
@@ -44,17 +44,17 @@ class SelectiveCompression(NamedTuple):
     noise_ratios: ``noise_ratios(stats) -> list`` of float32 scalars per leaf, see
       :func:`selective`.
     choose: ``choose(stats) -> list[Compressor | None]`` per leaf, in ``jax.tree.leaves``
-      order; host-side (reads the statistics), call it every ``every`` steps.
-    every: steps between decisions.
+      order; host-side (reads the statistics), call it every ``period`` steps.
+    period: steps between decisions.
   """
   init: Any
   update: Any
   noise_ratios: Any
   choose: Any
-  every: int
+  period: int
 
 
-def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float = 0.9,
+def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float = 0.9,
               topk_fraction: float = 0.01, sign_chunk: int | None = None) -> SelectiveCompression:
   """Per-leaf choice among full precision, top-k and scaled sign from gradient noise.
 
@@ -63,13 +63,13 @@ def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float 
   gradient's energy that changes from step to step (its variance over ``E||g||^2``). A leaf
   whose gradient is mostly signal (``rho < tau_low``) is sent at full precision; a leaf whose
   gradient is mostly noise (``rho >= tau_high``) loses little to the coarsest compressor,
-  scaled sign; the others use top-k. Before ``every`` gradients are averaged every leaf is at
+  scaled sign; the others use top-k. Before ``period`` gradients are averaged every leaf is at
   full precision. The compressors it returns are biased: use them with error feedback.
 
   Args:
     tau_low: noise ratio below which a leaf stays at full precision, in ``[0, 1]``.
     tau_high: noise ratio from which a leaf uses sign, in ``[tau_low, 1]``.
-    every: steps between decisions, >= 1.
+    period: steps between decisions, >= 1.
     beta: decay of the moving averages, in ``[0, 1)``.
     topk_fraction: fraction kept by the top-k choice, in (0, 1].
     sign_chunk: elements per scale of the sign choice (``None``: one per tensor).
@@ -78,10 +78,10 @@ def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float 
     A :class:`SelectiveCompression`.
 
   Example:
-    >>> sel = selective(0.2, 0.8, every=100)  # doctest: +SKIP
+    >>> sel = selective(0.2, 0.8, period=100)  # doctest: +SKIP
     >>> stats = sel.init(params)  # doctest: +SKIP
     >>> for step in range(steps):  # doctest: +SKIP
-    ...   if step % sel.every == 0:
+    ...   if step % sel.period == 0:
     ...     choices = tuple(sel.choose(stats))  # compile (or reuse) the step for these
     ...   grads = ...; stats = sel.update(grads, stats)
 
@@ -94,7 +94,7 @@ def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float 
   tau_high = check_float("tau_high", tau_high, minimum=tau_low, inclusive=True)
   if tau_high > 1.0:
     raise ValueError(f"tau_high must be <= 1, got {tau_high}.")
-  every = check_int_range("every", every, 1)
+  period = check_int_range("period", period, 1)
   beta = check_float("beta", beta, inclusive=True)
   if beta >= 1.0:
     raise ValueError(f"beta must be < 1, got {beta}.")
@@ -128,7 +128,7 @@ def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float 
     return ratios
 
   def choose(stats: GradientStatistics) -> list[Compressor | None]:
-    if int(jax.device_get(stats.count)[0]) < every:
+    if int(jax.device_get(stats.count)[0]) < period:
       return [None] * len(jax.tree.leaves(stats.power))
     choices = []
     for ratio in np.asarray(jax.device_get(noise_ratios(stats))):
@@ -136,4 +136,4 @@ def selective(tau_low: float, tau_high: float, *, every: int = 100, beta: float 
     return choices
 
   return SelectiveCompression(init=init, update=update, noise_ratios=noise_ratios,
-                              choose=choose, every=every)
+                              choose=choose, period=period)

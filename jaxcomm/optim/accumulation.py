@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_int_range
-from jaxcomm.optim.local_training import vary
+from jaxcomm.mesh_axes import vary, vary_tree
+from jaxcomm.validation import check_int_range
 
 
 class AccumulationState(NamedTuple):
@@ -30,7 +30,7 @@ def _zeros_like_output(abstract):
   zeros = jnp.zeros(abstract.shape, abstract.dtype)
   varying = tuple(abstract.manual_axis_type.varying) if hasattr(abstract, "manual_axis_type") \
       else ()
-  return jax.lax.pcast(zeros, varying, to="varying") if varying else zeros
+  return vary(zeros, varying)
 
 
 def accumulate_gradients(tx: optax.GradientTransformation, k: int) -> optax.GradientTransformation:
@@ -59,7 +59,7 @@ def accumulate_gradients(tx: optax.GradientTransformation, k: int) -> optax.Grad
   def init(params) -> AccumulationState:
     # Inside shard_map, per-device gradients differ on every device: so does their sum.
     axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-    zeros = jax.tree.map(lambda p: vary(jnp.zeros_like(p), axes), params)
+    zeros = vary_tree(jax.tree.map(jnp.zeros_like, params), axes)
     return AccumulationState(inner=tx.init(params), gradient_sum=zeros,
                              count=jnp.zeros((), jnp.int32))
 

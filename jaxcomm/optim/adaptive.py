@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import (Compressor, check_float, check_int_range,
-                                   check_unit_interval)
+from jaxcomm.compress.base import Compressor
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
-from jaxcomm.optim.local_training import manual_axes
+from jaxcomm.mesh_axes import manual_axes
+from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
 
 class Controller(NamedTuple):

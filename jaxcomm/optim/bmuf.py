@@ -5,12 +5,13 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import (check_bool, check_float, check_int_range,
-                                   check_unit_interval)
-from jaxcomm.optim.local_training import device_count, manual_axes
+from jaxcomm.mesh_axes import device_count, manual_axes
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import (check_bool, check_int_range, check_learning_rate,
+                                check_unit_interval)
 
 
 class BlockMomentumState(NamedTuple):
@@ -18,11 +19,13 @@ class BlockMomentumState(NamedTuple):
 
   Attributes:
     update: ``Delta(t-1)``, the last filtered block update, parameter-shaped, replicated.
+    count: int32 blocks filtered so far (the step of ``block_learning_rate``'s schedule).
   """
   update: optax.Updates
+  count: jax.Array
 
 
-def block_momentum(momentum: float | None, block_learning_rate: float,
+def block_momentum(momentum: float | None, block_learning_rate: optax.ScalarOrSchedule,
                    nesterov: bool) -> optax.GradientTransformation:
   """The outer step of BMUF on the averaged pseudo-gradient ``mean_i (theta_init - theta_i)``.
 
@@ -35,26 +38,31 @@ def block_momentum(momentum: float | None, block_learning_rate: float,
   look-ahead point (measuring it from ``W_g`` instead counts ``momentum Delta_prev`` twice and
   diverges for ``momentum >= 1/2``). ``W_g = W_init - momentum Delta_prev`` is implicit and the
   step of ``W_init`` is ``(1 + momentum) Delta - momentum Delta_prev``. ``momentum=None`` is
-  ``1 - 1/N`` for the ``N`` devices of the enclosing ``shard_map``.
+  ``1 - 1/N`` for the ``N`` devices of the enclosing ``shard_map``. ``block_learning_rate``
+  is a float or an optax schedule of the block.
   """
+  rate = check_learning_rate("block_learning_rate", block_learning_rate)
+
   def init(params) -> BlockMomentumState:
-    return BlockMomentumState(update=optax.tree.zeros_like(params))
+    return BlockMomentumState(update=optax.tree.zeros_like(params),
+                              count=jnp.zeros((), jnp.int32))
 
   def update(pseudo_gradient, state: BlockMomentumState, params=None):
     del params
     eta = 1 - 1 / device_count(manual_axes("bmuf")) if momentum is None else momentum
     lookahead = eta if nesterov else 0.0
-    new = jax.tree.map(lambda delta, previous: eta * previous - block_learning_rate * delta,
+    zeta = rate(state.count)
+    new = jax.tree.map(lambda delta, previous: eta * previous - zeta * delta,
                        pseudo_gradient, state.update)
     steps = jax.tree.map(lambda now, previous: (1 + lookahead) * now - lookahead * previous,
                          new, state.update)
-    return steps, BlockMomentumState(update=new)
+    return steps, BlockMomentumState(update=new, count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
 
 
 def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | None = None,
-         block_learning_rate: float = 1.0, nesterov: bool = True,
+         block_learning_rate: optax.ScalarOrSchedule = 1.0, nesterov: bool = True,
          sync: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
   """BMUF: ``period`` local steps of ``inner``, average, then a block-momentum step.
 
@@ -65,7 +73,8 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
   ``W_g + momentum Delta`` (Nesterov). ``momentum = 0, block_learning_rate = 1`` is local SGD
   exactly. The defaults are the paper's, ``momentum = 1 - 1/N`` for ``N`` devices and
   ``block_learning_rate = 1``: averaging ``N`` models moves about ``1/N`` as far as ``N``
-  sequential blocks would, and the filter's gain ``1/(1 - momentum) = N`` makes up for it. Compared with :func:`jaxcomm.slowmo` (which generalizes it), the
+  sequential blocks would, and the filter's gain ``1/(1 - momentum) = N`` makes up for it.
+  Compared with :func:`jaxcomm.slowmo` (which generalizes it), the
   momentum is of model updates rather than of learning-rate-normalized gradients, and the
   Nesterov variant moves the starting point rather than the global model.
 
@@ -80,7 +89,7 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
     inner: the device-local optimizer, e.g. ``optax.sgd(0.1, momentum=0.9)``.
     period: ``tau >= 1`` local steps per block.
     momentum: block momentum ``eta`` in ``[0, 1)``; ``None``: ``1 - 1/N`` for ``N`` devices.
-    block_learning_rate: ``zeta > 0``.
+    block_learning_rate: ``zeta > 0``, a float or an optax schedule of the block.
     nesterov: Nesterov block momentum (BMUF-NBM) or classical (BMUF-CBM).
     sync: averaging transformation (default dense :func:`jaxcomm.compressed_allreduce`).
 
@@ -94,7 +103,7 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
   check_int_range("period", period, 1)
   if momentum is not None:
     momentum = check_unit_interval("momentum", momentum)
-  block_learning_rate = check_float("block_learning_rate", block_learning_rate)
+  block_learning_rate = check_learning_rate("block_learning_rate", block_learning_rate)
   nesterov = check_bool("nesterov", nesterov)
   return periodic_averaging(inner, block_momentum(momentum, block_learning_rate, nesterov),
                             period, sync=sync)

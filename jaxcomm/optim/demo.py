@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, NamedTuple
 
@@ -11,10 +12,10 @@ import numpy as np
 import optax
 
 from jaxcomm.collectives.axes import require_axes, require_varying
-from jaxcomm.compress.base import (check_bool, check_float, check_float_tree, check_int_range,
-                                   check_unit_interval)
-from jaxcomm.optim.local_training import manual_axes, vary
+from jaxcomm.mesh_axes import manual_axes, vary
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import (check_bool, check_float, check_float_tree, check_int_range,
+                                check_learning_rate, check_unit_interval)
 
 MAX_CHUNK = 256  # a 256 x 256 block has 65536 coefficients: indices fit in uint16
 
@@ -184,8 +185,7 @@ def demo(learning_rate: float | optax.Schedule, *, beta: float = 0.999, chunk: i
   References:
     Peng, Quesnelle & Kingma, "DeMo: Decoupled Momentum Optimization", arXiv 2411.19870, 2024.
   """
-  schedule = learning_rate if callable(learning_rate) else optax.constant_schedule(
-      check_float("learning_rate", learning_rate))
+  schedule = check_learning_rate("learning_rate", learning_rate)
   beta = check_unit_interval("beta", beta)
   chunk = check_int_range("chunk", chunk, 1, MAX_CHUNK)
   topk = check_int_range("topk", topk, 1)
@@ -198,28 +198,10 @@ def demo(learning_rate: float | optax.Schedule, *, beta: float = 0.999, chunk: i
   def init(params) -> DeMoState:
     require_axes(axes, "demo.init")
     check_float_tree(params, "params")
-    group, every = jax.lax.axis_size(fast_axis), manual_axes("demo.init")
+    return _init_state(params, chunk, fast_axis)
 
-    def zeros(leaf):
-      layout = block_layout(leaf.shape, chunk, group)
-      return vary(jnp.zeros((layout.per_device, *layout.block), jnp.float32), every)
-
-    return DeMoState(momentum=jax.tree.map(zeros, params), count=jnp.zeros((), jnp.int32))
-
-  def leaf_update(grad, momentum, lr):
-    """``(direction for the whole leaf, new momentum blocks)`` for one leaf."""
-    group, hosts = jax.lax.axis_size(fast_axis), jax.lax.axis_size(slow_axis)
-    layout = block_layout(grad.shape, chunk, group)
-    blocks = to_blocks(grad.astype(jnp.float32), layout, group)
-    host_mean = jax.lax.psum_scatter(blocks, fast_axis, scatter_dimension=0, tiled=True) / group
-    momentum = beta * momentum + lr * host_mean
-    values, indices, sent = sparse_coefficients(momentum, layout, min(topk, layout.block_size))
-    gathered = jax.lax.all_gather((values, indices), slow_axis, to="invarying")
-    mean_q = dct(scatter_blocks(*gathered, layout.per_device, layout), layout,
-                 inverse=True) / hosts
-    direction = jnp.sign(mean_q).astype(jnp.int8) if sign else mean_q
-    whole = jax.lax.all_gather(direction, fast_axis, tiled=True, to="invarying")
-    return from_blocks(whole.astype(jnp.float32), layout), momentum - sent
+  leaf_update = functools.partial(_leaf_update, beta=beta, chunk=chunk, topk=topk, sign=sign,
+                                  fast_axis=fast_axis, slow_axis=slow_axis)
 
   def update(grads, state: DeMoState, params=None):
     require_axes(axes, "demo.update")
@@ -239,3 +221,31 @@ def demo(learning_rate: float | optax.Schedule, *, beta: float = 0.999, chunk: i
         momentum=treedef.unflatten([m for _, m in results]), count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+def _init_state(params, chunk: int, fast_axis: str) -> DeMoState:
+  """Zero momentum blocks, this device's ``1/G`` of each leaf's blocks, varying everywhere."""
+  group, every = jax.lax.axis_size(fast_axis), manual_axes("demo.init")
+
+  def zeros(leaf):
+    layout = block_layout(leaf.shape, chunk, group)
+    return vary(jnp.zeros((layout.per_device, *layout.block), jnp.float32), every)
+
+  return DeMoState(momentum=jax.tree.map(zeros, params), count=jnp.zeros((), jnp.int32))
+
+
+def _leaf_update(grad, momentum, lr, *, beta: float, chunk: int, topk: int, sign: bool,
+                 fast_axis: str, slow_axis: str):
+  """``(direction for the whole leaf, new momentum blocks)`` for one leaf."""
+  group, hosts = jax.lax.axis_size(fast_axis), jax.lax.axis_size(slow_axis)
+  layout = block_layout(grad.shape, chunk, group)
+  blocks = to_blocks(grad.astype(jnp.float32), layout, group)
+  host_mean = jax.lax.psum_scatter(blocks, fast_axis, scatter_dimension=0, tiled=True) / group
+  momentum = beta * momentum + lr * host_mean
+  values, indices, sent = sparse_coefficients(momentum, layout, min(topk, layout.block_size))
+  gathered = jax.lax.all_gather((values, indices), slow_axis, to="invarying")
+  mean_q = dct(scatter_blocks(*gathered, layout.per_device, layout), layout,
+               inverse=True) / hosts
+  direction = jnp.sign(mean_q).astype(jnp.int8) if sign else mean_q
+  whole = jax.lax.all_gather(direction, fast_axis, tiled=True, to="invarying")
+  return from_blocks(whole.astype(jnp.float32), layout), momentum - sent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -13,12 +14,12 @@ import optax
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import (check_float, check_fraction, check_int_range,
-                                   check_unit_interval)
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
+from jaxcomm.keys import unread_key
+from jaxcomm.mesh_axes import device_count, manual_axes, vary
 from jaxcomm.optim import hsdp
-from jaxcomm.optim.local_training import device_count, manual_axes, vary
+from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%
 
@@ -43,7 +44,7 @@ class DGCState(NamedTuple):
 
 
 def dgc(density: float = 0.001, *, momentum: float = 0.9,
-        warmup_densities: Sequence[float] = PAPER_WARMUP, warmup_steps: int = 0,
+        warmup_densities: Sequence[float] = PAPER_WARMUP, warmup_stage_steps: int = 0,
         clip_norm: float | None = None, momentum_masking: bool = True,
         strategy: str = "gather", fast_axis: str | None = None) -> optax.GradientTransformation:
   """Deep Gradient Compression: flat over every device, or across hosts after a dense mean.
@@ -60,7 +61,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   where ``v`` was sent. The result is the mean over workers of the sent velocities (with
   ``fast_axis``, all-gathered back over it), identical on every device: chain
   ``optax.sgd(lr)`` (no momentum: it is already in ``u``) after it. During warm-up the density
-  follows ``warmup_densities``, ``warmup_steps`` steps each (an "epoch" in the paper), then
+  follows ``warmup_densities``, ``warmup_stage_steps`` steps each (an "epoch" in the paper), then
   ``density``.
 
   With ``density = 1`` and ``momentum_masking=False`` this is momentum SGD on the mean
@@ -86,7 +87,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     density: final fraction of each leaf (or shard) sent, in (0, 1].
     momentum: ``m`` in [0, 1).
     warmup_densities: densities of the warm-up stages, each in (0, 1].
-    warmup_steps: steps per warm-up stage; 0 disables the warm-up.
+    warmup_stage_steps: steps per warm-up stage; 0 disables the warm-up.
     clip_norm: global-norm threshold of the whole model (``None``: no clipping); each worker
       clips its own gradient at ``clip_norm / sqrt(N)``.
     momentum_masking: zero ``u`` where ``v`` was sent.
@@ -109,8 +110,8 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   """
   density = check_fraction("density", density)
   stages = tuple(check_fraction("warmup_densities", d) for d in warmup_densities)
-  warmup_steps = check_int_range("warmup_steps", warmup_steps, 0)
-  densities = (stages if warmup_steps else ()) + (density,)
+  stage_steps = check_int_range("warmup_stage_steps", warmup_stage_steps, 0)
+  densities = (stages if stage_steps else ()) + (density,)
   momentum = check_unit_interval("momentum", momentum)
   if clip_norm is not None:
     clip_norm = check_float("clip_norm", clip_norm)
@@ -118,104 +119,127 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     raise ValueError(f"strategy must be 'gather' or 'two_phase', got {strategy!r}.")
   if fast_axis is not None and (not isinstance(fast_axis, str) or not fast_axis):
     raise TypeError(f"fast_axis must be a non-empty mesh axis name or None, got {fast_axis!r}.")
-  compressors = [error_feedback(topk(d)) for d in densities]
-
-  def topology(caller: str) -> tuple[tuple[str, ...], tuple[str, ...], int]:
-    """``(every mesh axis, the workers' axes, devices per worker G)``."""
-    axes = manual_axes(caller)
-    if fast_axis is None:
-      return axes, axes, 1
-    require_axes((fast_axis,), caller)
-    workers = tuple(axis for axis in axes if axis != fast_axis)
-    if not workers:
-      raise ValueError(f"{caller}: fast_axis={fast_axis!r} is the only mesh axis, which leaves "
-                       "no axis to exchange over; use fast_axis=None for DGC over its devices.")
-    return axes, workers, jax.lax.axis_size(fast_axis)
-
-  def prescattered(caller: str) -> bool:
-    """Under ``data_parallel(..., shard_over=fast_axis)`` each gradient already is this
-    device's shard of the host mean and updates stay shards: no reduce-scatter, no
-    all-gather (``group`` is then ``None`` below)."""
-    shards = hsdp.sharded_leaves()
-    if shards is not None and shards.axis != fast_axis:
-      raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} "
-                       f"(shard_over), so dgc needs fast_axis={shards.axis!r}; got "
-                       f"fast_axis={fast_axis!r}.")
-    return shards is not None
-
-  def shard_shape(leaf, group: int | None) -> tuple[int, ...]:
-    return leaf.shape if fast_axis is None or group is None else (-(-leaf.size // group),)
-
-  def host_mean_shard(grad, group: int | None):
-    """This device's shard of the mean of ``grad`` over ``fast_axis`` (reduce-scatter)."""
-    if fast_axis is None or group is None:
-      return grad
-    flat = grad.reshape(-1) / group
-    flat = jnp.pad(flat, (0, group * shard_shape(grad, group)[0] - flat.size))
-    return jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True)
-
-  def gather_back(mean, leaf, group: int | None):
-    """The mean shards of the host's devices put back together (all-gather over fast_axis)."""
-    if fast_axis is None or group is None:
-      return mean
-    whole = jax.lax.all_gather(mean, fast_axis, tiled=True, to="invarying")
-    return whole[:leaf.size].reshape(leaf.shape)
+  # gather sends top-k with error feedback; two-phase keeps its residuals itself
+  compressors = [error_feedback(topk(d)) if strategy == "gather" else topk(d)
+                 for d in densities]
 
   def init(params) -> DGCState:
-    axes, workers, group = topology("dgc.init")
-    group = None if prescattered("dgc.init") else group
-    zeros = lambda p: vary(jnp.zeros(shard_shape(p, group), jnp.float32), axes)
-    count = device_count(workers)
-    server = tuple(
-        vary(jnp.zeros((-(-math.prod(shard_shape(p, group)) // count),), jnp.float32), axes)
-        if strategy == "two_phase" else () for p in jax.tree.leaves(params))
-    return DGCState(momentum=jax.tree.map(zeros, params), velocity=jax.tree.map(zeros, params),
-                    server_residual=server, count=jnp.zeros((), jnp.int32))
-
-  def exchange(compressor, velocity, server, workers):
-    """``(sum over workers of the sent velocity, unsent velocity, server residual)``."""
-    flat = velocity.reshape(-1)
-    key = jax.random.PRNGKey(0)  # top-k is deterministic
-    if strategy == "gather":
-      unsent = ErrorFeedbackState(jnp.zeros_like(flat), (), jnp.ones((1,), jnp.bool_))
-      total, state = strategies.gather_sum(flat, compressor, unsent, key, workers)
-      return total, state.residual, server
-    empty = strategies.two_phase_init(flat.size, device_count(workers))
-    total, state = strategies.two_phase_sum(
-        flat, compressor, empty._replace(server_residual=server), key, workers)
-    return total, state.worker_residual[:flat.size], state.server_residual
-
-  def sparse_step(stage, workers, operands):
-    u, v, server = operands
-    compressor = compressors[stage] if strategy == "gather" else topk(densities[stage])
-    results = [exchange(compressor, leaf, s, workers) for leaf, s in zip(v, server)]
-    means = [total.reshape(leaf.shape) / device_count(workers)
-             for (total, _, _), leaf in zip(results, v)]
-    unsent = [residual.reshape(leaf.shape) for (_, residual, _), leaf in zip(results, v)]
-    if momentum_masking:
-      u = [jnp.where(r != leaf, 0.0, m) for r, leaf, m in zip(unsent, v, u)]
-    return means, u, unsent, tuple(s for _, _, s in results)
+    return _init_state(params, _topology(fast_axis, "dgc.init"), strategy)
 
   def update(grads, state: DGCState, params=None):
     del params
-    _, workers, group = topology("dgc.update")
-    group = None if prescattered("dgc.update") else group
+    topo = _topology(fast_axis, "dgc.update")
     leaves, treedef = jax.tree.flatten(grads)
-    grads32 = [host_mean_shard(g.astype(jnp.float32), group) for g in leaves]
-    if clip_norm is not None:
-      threshold = clip_norm / device_count(workers) ** 0.5
-      squared = sum(jnp.sum(jnp.square(g)) for g in grads32)
-      norm = jnp.sqrt(squared if fast_axis is None else jax.lax.psum(squared, fast_axis))
-      grads32 = [g * jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30)) for g in grads32]
+    grads32 = _clip([_host_mean_shard(g.astype(jnp.float32), topo) for g in leaves],
+                    clip_norm, topo)
     u = [momentum * m + g for m, g in zip(jax.tree.leaves(state.momentum), grads32)]
     v = [acc + m for acc, m in zip(jax.tree.leaves(state.velocity), u)]
-    stage = jnp.minimum(state.count // max(warmup_steps, 1), len(densities) - 1)
-    stages = [lambda ops, s=s: sparse_step(s, workers, ops) for s in range(len(densities))]
+    stage = jnp.minimum(state.count // max(stage_steps, 1), len(densities) - 1)
+    stages = [functools.partial(_sparse_step, c, topo.workers, strategy, momentum_masking)
+              for c in compressors]
     means, u, v, server = jax.lax.switch(  # the last stage is the steady state
         stage, [warmup(f) for f in stages[:-1]] + stages[-1:], (u, v, state.server_residual))
-    updates = [gather_back(m, g, group).astype(g.dtype) for m, g in zip(means, leaves)]
+    updates = [_gather_back(m, g, topo).astype(g.dtype) for m, g in zip(means, leaves)]
     return treedef.unflatten(updates), DGCState(
         momentum=treedef.unflatten(u), velocity=treedef.unflatten(v),
         server_residual=tuple(server), count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+class _Topology(NamedTuple):
+  """Where DGC runs: every mesh axis, the workers' axes, the dense fast axis and its size;
+  ``prescattered``: under ``data_parallel(..., shard_over=fast_axis)`` each gradient already
+  is this device's shard of the host mean and updates stay shards (no reduce-scatter, no
+  all-gather: :func:`jaxcomm.optim.hsdp.sharded_leaves`)."""
+  axes: tuple[str, ...]
+  workers: tuple[str, ...]
+  fast_axis: str | None
+  group: int  # devices per worker, G
+  prescattered: bool = False
+
+
+def _topology(fast_axis: str | None, caller: str) -> _Topology:
+  axes = manual_axes(caller)
+  shards = hsdp.sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
+                     f"so dgc needs fast_axis={shards.axis!r}; got fast_axis={fast_axis!r}.")
+  if fast_axis is None:
+    return _Topology(axes, axes, None, 1)
+  require_axes((fast_axis,), caller)
+  workers = tuple(axis for axis in axes if axis != fast_axis)
+  if not workers:
+    raise ValueError(f"{caller}: fast_axis={fast_axis!r} is the only mesh axis, which leaves "
+                     "no axis to exchange over; use fast_axis=None for DGC over its devices.")
+  return _Topology(axes, workers, fast_axis, jax.lax.axis_size(fast_axis), shards is not None)
+
+
+def _shard_shape(leaf, topo: _Topology) -> tuple[int, ...]:
+  if topo.fast_axis is None or topo.prescattered:
+    return leaf.shape
+  return (-(-leaf.size // topo.group),)
+
+
+def _init_state(params, topo: _Topology, strategy: str) -> DGCState:
+  zeros = lambda p: vary(jnp.zeros(_shard_shape(p, topo), jnp.float32), topo.axes)
+  count = device_count(topo.workers)
+  server = tuple(
+      vary(jnp.zeros((-(-math.prod(_shard_shape(p, topo)) // count),), jnp.float32), topo.axes)
+      if strategy == "two_phase" else () for p in jax.tree.leaves(params))
+  return DGCState(momentum=jax.tree.map(zeros, params), velocity=jax.tree.map(zeros, params),
+                  server_residual=server, count=jnp.zeros((), jnp.int32))
+
+
+def _host_mean_shard(grad, topo: _Topology):
+  """This device's shard of the mean of ``grad`` over ``fast_axis`` (reduce-scatter)."""
+  if topo.fast_axis is None or topo.prescattered:
+    return grad
+  flat = grad.reshape(-1) / topo.group
+  flat = jnp.pad(flat, (0, topo.group * _shard_shape(grad, topo)[0] - flat.size))
+  return jax.lax.psum_scatter(flat, topo.fast_axis, scatter_dimension=0, tiled=True)
+
+
+def _gather_back(mean, leaf, topo: _Topology):
+  """The mean shards of the host's devices put back together (all-gather over fast_axis)."""
+  if topo.fast_axis is None or topo.prescattered:
+    return mean
+  whole = jax.lax.all_gather(mean, topo.fast_axis, tiled=True, to="invarying")
+  return whole[:leaf.size].reshape(leaf.shape)
+
+
+def _clip(grads32: list, clip_norm: float | None, topo: _Topology) -> list:
+  """Local gradient clipping at ``clip_norm / sqrt(N)`` of the whole model's norm (summed
+  over the host's shards: one 4-byte ``psum`` over ``fast_axis``)."""
+  if clip_norm is None:
+    return grads32
+  threshold = clip_norm / device_count(topo.workers) ** 0.5
+  squared = sum(jnp.sum(jnp.square(g)) for g in grads32)
+  norm = jnp.sqrt(squared if topo.fast_axis is None else jax.lax.psum(squared, topo.fast_axis))
+  return [g * jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30)) for g in grads32]
+
+
+def _exchange(compressor, velocity, server, workers, strategy: str):
+  """``(sum over workers of the sent velocity, unsent velocity, server residual)``."""
+  flat = velocity.reshape(-1)
+  key = unread_key()
+  if strategy == "gather":
+    unsent = ErrorFeedbackState(jnp.zeros_like(flat), (), jnp.ones((1,), jnp.bool_))
+    total, state = strategies.gather_sum(flat, compressor, unsent, key, workers)
+    return total, state.residual, server
+  empty = strategies.two_phase_init(flat.size, device_count(workers))
+  total, state = strategies.two_phase_sum(
+      flat, compressor, empty._replace(server_residual=server), key, workers)
+  return total, state.worker_residual[:flat.size], state.server_residual
+
+
+def _sparse_step(compressor, workers, strategy: str, momentum_masking: bool, operands):
+  """One exchange of every leaf's velocity: ``(means, u, unsent v, server residuals)``."""
+  u, v, server = operands
+  results = [_exchange(compressor, leaf, s, workers, strategy) for leaf, s in zip(v, server)]
+  means = [total.reshape(leaf.shape) / device_count(workers)
+           for (total, _, _), leaf in zip(results, v)]
+  unsent = [residual.reshape(leaf.shape) for (_, residual, _), leaf in zip(results, v)]
+  if momentum_masking:
+    u = [jnp.where(r != leaf, 0.0, m) for r, leaf, m in zip(unsent, v, u)]
+  return means, u, unsent, tuple(s for _, _, s in results)

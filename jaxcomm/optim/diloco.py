@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import optax
 
-from jaxcomm.compress.base import check_int_range
 from jaxcomm.compress.quantize import quantize
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_int_range
 
 
 def diloco(inner: optax.GradientTransformation, period: int, *,

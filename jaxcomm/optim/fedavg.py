@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range
-from jaxcomm.optim.local_training import device_count, device_index
+from jaxcomm.mesh_axes import device_count, device_index
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_float, check_int_range
 
 
 def _check_sizes(client_sizes) -> np.ndarray | None:
@@ -48,14 +48,14 @@ def client_weights(client_sizes: np.ndarray | None, clients_per_round: int | Non
   return weight
 
 
-def fedavg(inner: optax.GradientTransformation, local_steps: int, *,
+def fedavg(inner: optax.GradientTransformation, period: int, *,
            client_sizes: Sequence[float] | None = None, clients_per_round: int | None = None,
-           mu: float = 0.0, server_learning_rate: float = 1.0,
+           mu: float = 0.0, server_learning_rate: optax.ScalarOrSchedule = 1.0,
            sync: optax.GradientTransformation | None = None,
-           seed: int = 0) -> optax.GradientTransformation:
+           seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """FedAvg (FedProx with ``mu > 0``): each device is a client.
 
-  Every round of ``local_steps`` steps, ``clients_per_round`` clients are drawn without
+  Every round of ``period`` steps, ``clients_per_round`` clients are drawn without
   replacement from a PRNG key shared by all devices; the server sets
   ``w = w - server_lr sum_{k sampled} (n_k / n) (w - w_k)`` with ``n = sum_{k sampled} n_k``
   (``server_lr = 1``: ``w = sum_k (n_k / n) w_k``), and every client restarts from ``w``.
@@ -66,17 +66,18 @@ def fedavg(inner: optax.GradientTransformation, local_steps: int, *,
   State: :class:`~jaxcomm.optim.periodic.PeriodicState` (``key`` draws the clients).
 
   Bytes per device per round: those of ``sync`` for all parameters (unsampled clients send
-  zeros: a real deployment would skip them); per step divided by ``local_steps``.
+  zeros: a real deployment would skip them); per step divided by ``period``.
 
   Args:
     inner: the client optimizer, e.g. ``optax.sgd(0.1)``.
-    local_steps: ``>= 1`` client steps per round.
+    period: ``>= 1`` client steps per round.
     client_sizes: per-client sample counts ``n_k`` (one per device); ``None``: equal.
     clients_per_round: clients sampled per round; ``None``: all.
     mu: FedProx proximal coefficient ``>= 0``.
-    server_learning_rate: ``> 0``.
+    server_learning_rate: a float ``> 0`` or an optax schedule of the round.
     sync: averaging transformation (default dense :func:`jaxcomm.compressed_allreduce`).
-    seed: seed of the shared client-sampling key.
+    seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      shared client-sampling key.
 
   Returns:
     An ``optax.GradientTransformation`` for device-local parameters.
@@ -86,21 +87,22 @@ def fedavg(inner: optax.GradientTransformation, local_steps: int, *,
     Data", AISTATS 2017; Li et al., "Federated Optimization in Heterogeneous Networks",
     MLSys 2020 (FedProx).
   """
-  check_int_range("local_steps", local_steps, 1)
+  check_int_range("period", period, 1)
   if clients_per_round is not None:
     check_int_range("clients_per_round", clients_per_round, 1)
   sizes = _check_sizes(client_sizes)
-  server_learning_rate = check_float("server_learning_rate", server_learning_rate)
-  return periodic_averaging(inner, optax.sgd(server_learning_rate), local_steps, sync=sync,
+  if not callable(server_learning_rate):
+    server_learning_rate = check_float("server_learning_rate", server_learning_rate)
+  return periodic_averaging(inner, optax.sgd(server_learning_rate), period, sync=sync,
                             proximal=check_float("mu", mu, minimum=0.0, inclusive=True),
                             client_weight=client_weights(sizes, clients_per_round), seed=seed)
 
 
-def fedprox(inner: optax.GradientTransformation, local_steps: int, mu: float,
+def fedprox(inner: optax.GradientTransformation, period: int, mu: float,
             **kwargs) -> optax.GradientTransformation:
   """FedProx: :func:`fedavg` with the proximal term ``(mu / 2) ||w_k - w||^2``, ``mu >= 0``.
 
   References:
     Li et al., "Federated Optimization in Heterogeneous Networks", MLSys 2020.
   """
-  return fedavg(inner, local_steps, mu=mu, **kwargs)
+  return fedavg(inner, period, mu=mu, **kwargs)

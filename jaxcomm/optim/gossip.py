@@ -9,9 +9,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.compress.base import Compressor, check_float
+from jaxcomm.compress.base import Compressor
 from jaxcomm.compress.delta import delta_encode
-from jaxcomm.optim.local_training import device_count, device_index, manual_axes
+from jaxcomm.keys import as_key, check_seed
+from jaxcomm.mesh_axes import device_count, device_index, manual_axes
+from jaxcomm.validation import check_float
 
 GRAPHS = ("ring", "torus", "hypercube", "exponential", "complete", "random")
 
@@ -88,7 +90,8 @@ def _from_matrix(w: np.ndarray) -> list[np.ndarray]:
 
 def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
            mixing_matrix=None, compressor: Compressor | None = None,
-           consensus_step: float = 1.0, seed: int = 0) -> optax.GradientTransformation:
+           consensus_step: float = 1.0,
+           seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """Decentralized SGD: a local step of ``inner``, then mixing with neighbors only.
 
   Exact gossip: ``x_i <- sum_j W_ij x_j^{+}`` over ``x^{+} = x + inner update`` (adapt, then
@@ -118,7 +121,8 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
       gives device ``j``.
     compressor: a stateless :class:`~jaxcomm.Compressor` for CHOCO-SGD; ``None``: exact.
     consensus_step: CHOCO-SGD's ``gamma`` in (0, 1].
-    seed: seed of the shared key.
+    seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      shared key.
 
   Returns:
     An ``optax.GradientTransformation`` for device-local parameters.
@@ -133,82 +137,17 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
   if matrix is None and graph not in GRAPHS:
     raise ValueError(f"graph must be one of {', '.join(GRAPHS)}; got {graph!r}.")
   if compressor is not None:
-    if not isinstance(compressor, Compressor):
-      raise TypeError(f"compressor must be a jaxcomm.Compressor or None, got "
-                      f"{type(compressor).__name__}.")
-    if compressor.init((1,), jnp.float32) != ():
-      raise ValueError(f"compressor must be stateless for CHOCO-SGD; {compressor.name} keeps "
-                       "state.")
-    if matrix is None and graph == "random":
-      raise ValueError("graph='random' cannot carry CHOCO-SGD (compressor): its neighbor sums "
-                       "need a static graph.")
+    _check_choco(compressor, random_graph=matrix is None and graph == "random")
   consensus_step = check_float("consensus_step", consensus_step)
+  seed = check_seed("seed", seed)
   if consensus_step > 1.0:
     raise ValueError(f"consensus_step must be in (0, 1], got {consensus_step}.")
-
-  def topology(axes):
-    """``(sources per permutation, W)`` for the devices of ``axes``."""
-    shape = tuple(jax.lax.axis_size(a) for a in axes)
-    n = int(np.prod(shape))
-    if matrix is not None:
-      if matrix.shape[0] != n:
-        raise ValueError(f"mixing_matrix is {matrix.shape[0]}x{matrix.shape[0]} for {n} "
-                         "devices.")
-      return _from_matrix(matrix), matrix
-    sources = _neighbor_sources(graph, shape)
-    return sources, _uniform(sources, n)
-
-  def receive(tree, sources, axes):
-    pairs = [(int(src), dst) for dst, src in enumerate(sources)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, pairs), tree)
-
-  def mix(tree, own_weight, sources, weights, axes):
-    """``own_weight[i] x_i + sum_p weights[p][i] x_{sources[p][i]}`` on device ``i``."""
-    me = device_index(axes)
-    out = jax.tree.map(lambda x: jnp.asarray(own_weight, jnp.float32)[me] * x, tree)
-    for src, w in zip(sources, weights):
-      got = receive(tree, src, axes)
-      out = jax.tree.map(lambda acc, x, w=w: acc + jnp.asarray(w, jnp.float32)[me] * x,
-                         out, got)
-    return out
 
   def init(params) -> GossipState:
     manual_axes("gossip.init")
     zeros = None if compressor is None else jax.tree.map(jnp.zeros_like, params)
     return GossipState(inner=inner.init(params), public=zeros, neighborhood=zeros,
-                       key=jax.random.PRNGKey(seed), count=jnp.zeros((), jnp.int32))
-
-  def exact(x, key, axes):
-    n = device_count(axes)
-    if matrix is None and graph == "random":
-      index = np.arange(n)
-      branches = [lambda t, s=s: mix(t, np.full(n, 0.5), [(index + s) % n], [np.full(n, 0.5)],
-                                     axes) for s in range(1, n)]
-      return jax.lax.switch(jax.random.randint(key, (), 0, n - 1), branches, x)
-    sources, w = topology(axes)
-    return mix(x, np.diag(w), sources, [w[np.arange(n), src] for src in sources], axes)
-
-  def choco(x, public, neighborhood, key, axes):
-    sources, w = topology(axes)
-    n = w.shape[0]
-    leaves, treedef = jax.tree.flatten(x)
-    key = jax.random.fold_in(key, device_index(axes))
-    payloads, decoded, public = zip(*[
-        delta_encode(compressor, leaf, hat, jax.random.fold_in(key, i))
-        for i, (leaf, hat) in enumerate(zip(leaves, jax.tree.leaves(public)))])
-    public = treedef.unflatten(list(public))
-    shapes = [leaf.shape for leaf in leaves]
-    me = device_index(axes)
-    update = [jnp.asarray(np.diag(w), jnp.float32)[me] * q for q in decoded]
-    for src in sources:
-      got = receive(payloads, src, axes)
-      weight = jnp.asarray(w[np.arange(n), src], jnp.float32)[me]
-      update = [acc + weight * compressor.decode(p, shape)
-                for acc, p, shape in zip(update, got, shapes)]
-    neighborhood = jax.tree.map(lambda s, q: s + q, neighborhood, treedef.unflatten(update))
-    mixed = jax.tree.map(lambda xi, s, hat: xi + consensus_step * (s - hat), x, neighborhood,
-                         public)
-    return mixed, public, neighborhood
+                       key=as_key(seed), count=jnp.zeros((), jnp.int32))
 
   def update(grads, state: GossipState, params=None):
     if params is None:
@@ -219,11 +158,91 @@ def gossip(inner: optax.GradientTransformation, graph: str = "ring", *,
     key, step_key = jax.random.split(state.key)
     public, neighborhood = state.public, state.neighborhood
     if compressor is None:
-      mixed = exact(adapted, step_key, axes)
+      mixed = _exact(adapted, step_key, axes, matrix, graph)
     else:
-      mixed, public, neighborhood = choco(adapted, public, neighborhood, step_key, axes)
+      mixed, public, neighborhood = _choco(adapted, public, neighborhood, step_key, axes,
+                                           _topology(matrix, graph, axes), compressor,
+                                           consensus_step)
     updates = jax.tree.map(lambda new, old: (new - old).astype(old.dtype), mixed, params)
     return updates, GossipState(inner=inner_state, public=public, neighborhood=neighborhood,
                                 key=key, count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+def _check_choco(compressor, random_graph: bool) -> None:
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"compressor must be a jaxcomm.Compressor or None, got "
+                    f"{type(compressor).__name__}.")
+  if compressor.init((1,), jnp.float32) != ():
+    raise ValueError(f"compressor must be stateless for CHOCO-SGD; {compressor.name} keeps "
+                     "state.")
+  if random_graph:
+    raise ValueError("graph='random' cannot carry CHOCO-SGD (compressor): its neighbor sums "
+                     "need a static graph.")
+
+
+def _topology(matrix: np.ndarray | None, graph: str, axes) -> tuple[list[np.ndarray], np.ndarray]:
+  """``(sources per permutation, W)`` for the devices of ``axes``."""
+  shape = tuple(jax.lax.axis_size(a) for a in axes)
+  n = int(np.prod(shape))
+  if matrix is not None:
+    if matrix.shape[0] != n:
+      raise ValueError(f"mixing_matrix is {matrix.shape[0]}x{matrix.shape[0]} for {n} "
+                       "devices.")
+    return _from_matrix(matrix), matrix
+  sources = _neighbor_sources(graph, shape)
+  return sources, _uniform(sources, n)
+
+
+def _receive(tree, sources, axes):
+  """Every leaf of ``tree`` from device ``sources[i]``, on device ``i`` (one ``ppermute``)."""
+  pairs = [(int(src), dst) for dst, src in enumerate(sources)]
+  return jax.tree.map(lambda x: jax.lax.ppermute(x, axes, pairs), tree)
+
+
+def _mix(tree, own_weight, sources, weights, axes):
+  """``own_weight[i] x_i + sum_p weights[p][i] x_{sources[p][i]}`` on device ``i``."""
+  me = device_index(axes)
+  out = jax.tree.map(lambda x: jnp.asarray(own_weight, jnp.float32)[me] * x, tree)
+  for src, w in zip(sources, weights):
+    got = _receive(tree, src, axes)
+    out = jax.tree.map(lambda acc, x, w=w: acc + jnp.asarray(w, jnp.float32)[me] * x, out, got)
+  return out
+
+
+def _exact(x, key, axes, matrix: np.ndarray | None, graph: str):
+  """Exact gossip: ``sum_j W_ij x_j``; a random peer shift drawn from ``key`` for 'random'."""
+  n = device_count(axes)
+  if matrix is None and graph == "random":
+    index = np.arange(n)
+    branches = [lambda t, s=s: _mix(t, np.full(n, 0.5), [(index + s) % n], [np.full(n, 0.5)],
+                                    axes) for s in range(1, n)]
+    return jax.lax.switch(jax.random.randint(key, (), 0, n - 1), branches, x)
+  sources, w = _topology(matrix, graph, axes)
+  return _mix(x, np.diag(w), sources, [w[np.arange(n), src] for src in sources], axes)
+
+
+def _choco(x, public, neighborhood, key, axes, topology, compressor: Compressor,
+           consensus_step: float):
+  """CHOCO-SGD: ``(mixed x, new public copy, new neighborhood sum)``."""
+  sources, w = topology
+  n = w.shape[0]
+  leaves, treedef = jax.tree.flatten(x)
+  key = jax.random.fold_in(key, device_index(axes))
+  payloads, decoded, public = zip(*[
+      delta_encode(compressor, leaf, hat, jax.random.fold_in(key, i))
+      for i, (leaf, hat) in enumerate(zip(leaves, jax.tree.leaves(public)))])
+  public = treedef.unflatten(list(public))
+  shapes = [leaf.shape for leaf in leaves]
+  me = device_index(axes)
+  update = [jnp.asarray(np.diag(w), jnp.float32)[me] * q for q in decoded]
+  for src in sources:
+    got = _receive(payloads, src, axes)
+    weight = jnp.asarray(w[np.arange(n), src], jnp.float32)[me]
+    update = [acc + weight * compressor.decode(p, shape)
+              for acc, p, shape in zip(update, got, shapes)]
+  neighborhood = jax.tree.map(lambda s, q: s + q, neighborhood, treedef.unflatten(update))
+  mixed = jax.tree.map(lambda xi, s, hat: xi + consensus_step * (s - hat), x, neighborhood,
+                       public)
+  return mixed, public, neighborhood

@@ -6,26 +6,14 @@ from collections.abc import Callable
 
 import jax
 
-
-def _manual_axes() -> tuple[str, ...]:
-  axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  if not axes:
-    raise ValueError("jaxcomm.local_grad must be called inside jax.shard_map (no mesh axes "
-                     "are manual here).")
-  return axes
+from jaxcomm.mesh_axes import manual_axes, vary_tree
 
 
 def _as_device_local(params):
   """Marks replicated parameters as varying so that ``jax.grad`` does not ``psum`` their
   cotangents: inside ``shard_map`` the transpose of the implicit invariant-to-varying cast is
   a full-precision all-reduce over every mesh axis."""
-  axes = _manual_axes()
-
-  def vary(leaf):
-    invariant = tuple(a for a in axes if a not in jax.typeof(leaf).mat.varying)
-    return jax.lax.pcast(leaf, invariant, to="varying") if invariant else leaf
-
-  return jax.tree.map(vary, params)
+  return vary_tree(params, manual_axes("jaxcomm.local_grad"))
 
 
 def local_value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:

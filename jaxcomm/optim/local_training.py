@@ -16,26 +16,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-
-def manual_axes(caller: str) -> tuple[str, ...]:
-  """The mesh axes of the enclosing ``shard_map`` (raises outside one)."""
-  axes = tuple(jax.sharding.get_abstract_mesh().manual_axes)
-  if not axes:
-    raise ValueError(f"{caller} must be called inside jax.shard_map (no mesh axes are manual "
-                     "here).")
-  return axes
-
-
-def device_index(axes: Sequence[str]) -> jax.Array:
-  """This device's linear position over ``axes`` (row-major, first axis slowest)."""
-  return jax.lax.axis_index(tuple(axes))
-
-
-def device_count(axes: Sequence[str]) -> int:
-  count = 1
-  for axis in axes:
-    count *= jax.lax.axis_size(axis)
-  return count
+from jaxcomm.mesh_axes import manual_axes
 
 
 def to_device_local(params, mesh: Mesh):
@@ -117,9 +98,3 @@ def local_training_step(loss_fn: Callable, tx: optax.GradientTransformation, mes
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, axes)
 
   return step
-
-
-def vary(x, axes: Sequence[str]):
-  """Marks ``x`` varying over those of ``axes`` it is invariant over (no data moves)."""
-  missing = tuple(a for a in axes if a not in jax.typeof(x).mat.varying)
-  return jax.lax.pcast(x, missing, to="varying") if missing else x

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import check_float, check_int_range
-from jaxcomm.optim.nonfinite import any_nonfinite, has_nonfinite
+from jaxcomm.optim.nonfinite import any_nonfinite, has_nonfinite, keep_if, zero_if
+from jaxcomm.validation import check_float, check_int_range
 
 
 class DynamicLossScaleState(NamedTuple):
@@ -91,15 +91,14 @@ def dynamic_loss_scale(allreduce: optax.GradientTransformation,
     unscaled = jax.tree.map(
         lambda g: jnp.where(skip, 0.0, g.astype(jnp.float32) / state.scale).astype(g.dtype), mean)
     updates, optimizer_state = optimizer.update(unscaled, state.optimizer, params)
-    keep_if_skipped = lambda new, old: jnp.where(skip, old, new)
     grown = state.good_steps + 1 >= growth_interval
     new_state = DynamicLossScaleState(
         scale=jnp.where(skip, state.scale / factor,
                         jnp.where(grown, state.scale * factor, state.scale)),
         good_steps=jnp.where(skip | grown, 0, state.good_steps + 1),
         skipped=state.skipped + skip.astype(jnp.int32),
-        allreduce=jax.tree.map(keep_if_skipped, allreduce_state, state.allreduce),
-        optimizer=jax.tree.map(keep_if_skipped, optimizer_state, state.optimizer))
-    return jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates), new_state
+        allreduce=keep_if(skip, state.allreduce, allreduce_state),
+        optimizer=keep_if(skip, state.optimizer, optimizer_state))
+    return zero_if(skip, updates), new_state
 
   return optax.GradientTransformation(init, update)

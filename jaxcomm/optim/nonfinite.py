@@ -1,4 +1,11 @@
-"""Skipping a whole optimizer step, on every device at once, when any gradient is not finite."""
+"""The non-finite policy: what a NaN or Inf in a gradient does to a step.
+
+One home for the policy of the optimizers: detecting a non-finite value (on this device, or
+agreed by all with one 4-byte ``pmax``), the three modes (``'skip'`` the whole step on every
+device, ``'zero'`` the bad entries, ``'propagate'``), and keeping state as it was on a
+skipped step. (Compressors detect with :func:`jaxcomm.compress.base.all_finite`: ``compress/``
+sits below this package.)
+"""
 
 from __future__ import annotations
 
@@ -12,6 +19,16 @@ import optax
 from jaxcomm.collectives.axes import require_axes
 
 
+NONFINITE_MODES = ("skip", "zero", "propagate")
+
+
+def check_nonfinite_mode(value: str) -> str:
+  """Validates a ``nonfinite=`` argument against :data:`NONFINITE_MODES`."""
+  if value not in NONFINITE_MODES:
+    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {value!r}.")
+  return value
+
+
 def has_nonfinite(leaves: Sequence[jax.Array]) -> jax.Array:
   """Bool scalar: some leaf holds a NaN or Inf (on this device; no communication)."""
   if not leaves:
@@ -22,6 +39,35 @@ def has_nonfinite(leaves: Sequence[jax.Array]) -> jax.Array:
 def any_nonfinite(leaves: Sequence[jax.Array], axes: Sequence[str]) -> jax.Array:
   """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
   return jax.lax.pmax(has_nonfinite(leaves).astype(jnp.int32), tuple(axes)) > 0
+
+
+def zero_nonfinite(tree):
+  """``tree`` with every NaN and Inf entry replaced by 0 (elementwise, no communication)."""
+  return jax.tree.map(lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)), tree)
+
+
+def keep_if(keep: jax.Array, old, new):
+  """``old`` where the bool scalar ``keep`` holds, else ``new``, leaf by leaf (two pytrees of
+  one structure): the state a skipped step leaves behind."""
+  return jax.tree.map(lambda o, n: jnp.where(keep, o, n), old, new)
+
+
+def zero_if(skip: jax.Array, updates):
+  """Zero updates where the bool scalar ``skip`` holds: a skipped step moves nothing."""
+  return jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates)
+
+
+def with_nonfinite_policy(inner: optax.GradientTransformation, mode: str,
+                          axes: Sequence[str]) -> optax.GradientTransformation:
+  """``inner`` under a non-finite mode: ``'skip'`` wraps it in :func:`skip_nonfinite` (one
+  4-byte ``pmax`` over ``axes``), ``'zero'`` zeroes non-finite gradient entries first (no
+  communication), ``'propagate'`` returns it as it is."""
+  mode = check_nonfinite_mode(mode)
+  if mode == "skip":
+    return skip_nonfinite(inner, axes)
+  if mode == "zero":
+    return optax.chain(optax.stateless(lambda grads, params: zero_nonfinite(grads)), inner)
+  return inner
 
 
 class SkipNonFiniteState(NamedTuple):
@@ -65,9 +111,8 @@ def skip_nonfinite(inner: optax.GradientTransformation,
     require_axes(axes, "skip_nonfinite.update")
     skip = any_nonfinite(jax.tree.leaves(grads), axes)
     updates, inner_state = inner.update(grads, state.inner, params)
-    keep_if_skipped = lambda new, old: jnp.where(skip, old, new)
-    return (jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates),
-            SkipNonFiniteState(inner=jax.tree.map(keep_if_skipped, inner_state, state.inner),
-                               skipped_steps=state.skipped_steps + skip.astype(jnp.int32)))
+    return zero_if(skip, updates), SkipNonFiniteState(
+        inner=keep_if(skip, state.inner, inner_state),
+        skipped_steps=state.skipped_steps + skip.astype(jnp.int32))
 
   return optax.GradientTransformation(init, update)

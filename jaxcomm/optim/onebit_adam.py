@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -11,9 +12,11 @@ import optax
 from jaxcomm.accounting import warmup as warmup_phase
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
-from jaxcomm.compress.base import check_float, check_float_tree, check_int_range, check_unit_interval
 from jaxcomm.compress.sign import sign
+from jaxcomm.keys import unread_key
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import (check_float, check_float_tree, check_int_range, check_learning_rate,
+                                check_unit_interval)
 
 
 class OneBitAdamState(NamedTuple):
@@ -54,7 +57,22 @@ def allreduce_leaves(leaves, states, levels, key):
   return outputs, tuple(new_states)
 
 
-def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
+def _dense_moments(leaves, mu, nu, b1: float, b2: float, levels, residuals):
+  """Warm-up: Adam's moments of the full-precision mean gradient; residuals untouched."""
+  averaged, _ = allreduce_leaves(leaves, [((), ())] * len(leaves), levels, unread_key())
+  new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)]
+  new_nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)]
+  return new_mu, new_nu, residuals
+
+
+def _onebit_momentum(leaves, mu, nu, b1: float, levels, residuals):
+  """After the warm-up: the 1-bit mean of the local momenta; the variance stays frozen."""
+  local_momentum = [b1 * m + (1 - b1) * g for m, g in zip(mu, leaves)]
+  new_mu, residuals = allreduce_leaves(local_momentum, residuals, levels, unread_key())
+  return new_mu, list(nu), residuals
+
+
+def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, fast_axis: str = LOCAL_AXIS,
                 slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """1-bit Adam over a ``(slow, fast)`` mesh, from per-device gradients to parameter updates.
@@ -77,7 +95,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
   ``2 (H-1)/H D/G`` at full precision during the warm-up.
 
   Args:
-    learning_rate: step size.
+    learning_rate: a float or an optax schedule of the 0-based step.
     warmup_steps: dense Adam steps before compression, >= 1 (the variance must be learned).
     b1: first-moment decay, in [0, 1).
     b2: second-moment decay, in [0, 1).
@@ -94,7 +112,7 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's
     Convergence Speed", ICML 2021.
   """
-  learning_rate = check_float("learning_rate", learning_rate)
+  schedule = check_learning_rate("learning_rate", learning_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 1)
   b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
   axes = (fast_axis, slow_axis)
@@ -114,23 +132,10 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     require_varying(grads, axes, "onebit_adam.update")
     leaves, treedef = jax.tree.flatten(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
     mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-    key = jax.random.fold_in(jax.random.PRNGKey(0), state.count)
     count = state.count + 1
-
-    def warmup(operands):
-      residuals = operands
-      averaged, _ = allreduce_leaves(leaves, [((), ())] * len(leaves), dense_levels, key)
-      new_mu = [b1 * m + (1 - b1) * g for m, g in zip(mu, averaged)]
-      new_nu = [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)]
-      return new_mu, new_nu, residuals
-
-    def compressed(operands):
-      residuals = operands
-      local_momentum = [b1 * m + (1 - b1) * g for m, g in zip(mu, leaves)]
-      new_mu, residuals = allreduce_leaves(local_momentum, residuals, compressed_levels, key)
-      return new_mu, list(nu), residuals
-
-    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(warmup), compressed,
+    dense = functools.partial(_dense_moments, leaves, mu, nu, b1, b2, dense_levels)
+    onebit = functools.partial(_onebit_momentum, leaves, mu, nu, b1, compressed_levels)
+    new_mu, new_nu, residuals = jax.lax.cond(count <= warmup_steps, warmup_phase(dense), onebit,
                                              state.residuals)
     frozen_at = jnp.minimum(count, warmup_steps).astype(jnp.float32)
     mu_hat = 1 - b1 ** count.astype(jnp.float32)
@@ -138,7 +143,8 @@ def onebit_adam(learning_rate: float, *, warmup_steps: int, b1: float = 0.9,
     # A coordinate whose variance is still 0 (no gradient during the whole warm-up, e.g. an
     # unused embedding row) would be divided by eps once 1-bit momentum, which sends every
     # coordinate as +-scale, makes its momentum non-zero: it is not updated instead.
-    updates = [jnp.where(v > 0, -learning_rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps), 0.0)
+    rate = schedule(state.count)
+    updates = [jnp.where(v > 0, -rate * (m / mu_hat) / (jnp.sqrt(v / nu_hat) + eps), 0.0)
                for m, v in zip(new_mu, new_nu)]
     updates = [u.astype(g.dtype) for u, g in zip(updates, jax.tree.leaves(grads))]
     return treedef.unflatten(updates), OneBitAdamState(

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
+from jaxcomm.keys import as_key, check_seed
+from jaxcomm.mesh_axes import device_count, manual_axes, vary
 from jaxcomm.optim import hsdp
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
-from jaxcomm.optim.local_training import device_count, manual_axes, vary
+from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
 WeightFn = Callable[[jax.Array, tuple[str, ...]], jax.Array]
 
@@ -96,7 +97,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
                        fragments: int = 1, delay: int = 0, mixing: float = 0.0,
                        warmup_steps: int = 0, proximal: float = 0.0,
                        client_weight: WeightFn | None = None,
-                       seed: int = 0) -> optax.GradientTransformation:
+                       seed: int | jax.Array = 0) -> optax.GradientTransformation:
   """The general form behind :func:`local_sgd`, :func:`diloco`, :func:`slowmo`, :func:`fedavg`.
 
   Step ``t`` (0-based): the inner optimizer updates this device's parameters (with the
@@ -122,7 +123,8 @@ def periodic_averaging(inner: optax.GradientTransformation,
     proximal: FedProx ``mu >= 0``.
     client_weight: ``client_weight(key, axes) -> w`` for this device, with weights summing to
       one over devices; ``None`` for the plain mean.
-    seed: seed of the shared PRNG key passed to ``client_weight``.
+    seed: an int seed or a PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      shared key passed to ``client_weight``.
 
   Returns:
     An ``optax.GradientTransformation`` for device-local parameters (see
@@ -130,45 +132,13 @@ def periodic_averaging(inner: optax.GradientTransformation,
   """
   mixing = check_period(period, fragments, delay, mixing, warmup_steps)
   proximal = check_float("proximal", proximal, minimum=0.0, inclusive=True)
-  sync = compressed_allreduce() if sync is None else sync
-  stride = period // fragments
+  seed = check_seed("seed", seed)
+  plan = _Plan(outer=outer, sync=compressed_allreduce() if sync is None else sync,
+               period=period, fragments=fragments, delay=delay, mixing=mixing,
+               warmup_steps=warmup_steps, client_weight=client_weight)
 
   def init(params) -> PeriodicState:
-    axes = worker_axes("periodic averaging init")
-    anchor = jax.tree.map(lambda leaf: jax.lax.pmean(leaf, axes), params)
-    leaves = jax.tree.leaves(anchor)
-    groups = fragment_leaves([leaf.size for leaf in leaves], fragments)
-    return PeriodicState(
-        inner=inner.init(params), anchor=anchor,
-        outer=tuple(outer.init([leaves[i] for i in group]) for group in groups),
-        sync=tuple(sync.init([jax.tree.leaves(params)[i] for i in group]) for group in groups),
-        key=jax.random.PRNGKey(seed), count=jnp.zeros((), jnp.int32))
-
-  def merge(local, anchor, group):
-    """``theta_i = mixing theta_i + (1 - mixing) theta_sync`` on the group's leaves, in place."""
-    axes = worker_axes("periodic averaging update")
-    for i in group:
-      local[i] = vary(anchor[i], axes) if mixing == 0.0 else \
-          mixing * local[i] + (1 - mixing) * anchor[i]
-
-  def merged(operands, group):
-    local, anchor = list(operands[0]), operands[1]
-    merge(local, anchor, group)
-    return local
-
-  def synchronize(f, group, round_key, operands):
-    local, anchor, outer_states, sync_states = (list(x) for x in operands)
-    axes = worker_axes("periodic averaging update")
-    scale = 1.0 if client_weight is None else \
-        device_count(axes) * client_weight(round_key, axes)
-    deltas = [(anchor[i] - local[i]) * scale for i in group]
-    mean, sync_states[f] = sync.update(deltas, sync_states[f])
-    steps, outer_states[f] = outer.update(mean, outer_states[f], [anchor[i] for i in group])
-    for i, step in zip(group, steps):
-      anchor[i] = anchor[i] + step
-    if delay == 0:
-      merge(local, anchor, group)
-    return local, anchor, tuple(outer_states), tuple(sync_states)
+    return _init_state(params, inner, plan, as_key(seed))
 
   def update(grads, state: PeriodicState, params=None):
     if params is None:
@@ -176,31 +146,95 @@ def periodic_averaging(inner: optax.GradientTransformation,
     if proximal:
       grads = jax.tree.map(lambda g, p, a: g + proximal * (p - a), grads, params, state.anchor)
     steps, inner_state = inner.update(grads, state.inner, params)
-    local_tree = optax.apply_updates(params, steps)
-    local, treedef = jax.tree.flatten(local_tree)
+    local, treedef = jax.tree.flatten(optax.apply_updates(params, steps))
     anchor = jax.tree.leaves(state.anchor)
     groups = fragment_leaves([leaf.size for leaf in anchor], fragments)
     key, round_key = jax.random.split(state.key)
-    t = state.count
-    if fragments == 1:
-      due = (t < warmup_steps) | ((t + 1 - warmup_steps) % period == 0)
-      index = jnp.where(due, 1, 0)
-    else:
-      index = jnp.where((t + 1) % stride == 0, ((t + 1) // stride - 1) % fragments + 1, 0)
     branches = [lambda ops: ops] + [
-        lambda ops, f=f, group=group: synchronize(f, group, round_key, ops)
+        functools.partial(_synchronize, plan, f, group, round_key)
         for f, group in enumerate(groups)]
     local, anchor, outer_states, sync_states = jax.lax.switch(
-        index, branches, (local, anchor, state.outer, state.sync))
+        _sync_branch(plan, state.count), branches, (local, anchor, state.outer, state.sync))
     if delay:
-      arrived = t + 1 - delay
-      merge_index = jnp.where((arrived > 0) & (arrived % stride == 0),
-                              (arrived // stride - 1) % fragments + 1, 0)
-      local = jax.lax.switch(merge_index, [lambda ops: ops[0]] + [
-          functools.partial(merged, group=group) for group in groups], (local, anchor))
-    new_local = treedef.unflatten(list(local))
-    updates = jax.tree.map(lambda new, old: new - old, new_local, params)
+      local = jax.lax.switch(_merge_branch(plan, state.count), [lambda ops: ops[0]] + [
+          functools.partial(_merged, mixing, group) for group in groups], (local, anchor))
+    updates = jax.tree.map(lambda new, old: new - old, treedef.unflatten(list(local)), params)
     return updates, PeriodicState(inner=inner_state, anchor=treedef.unflatten(list(anchor)),
-                                  outer=outer_states, sync=sync_states, key=key, count=t + 1)
+                                  outer=outer_states, sync=sync_states, key=key,
+                                  count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+class _Plan(NamedTuple):
+  """The static configuration of one :func:`periodic_averaging`."""
+  outer: optax.GradientTransformation
+  sync: optax.GradientTransformation
+  period: int
+  fragments: int
+  delay: int
+  mixing: float
+  warmup_steps: int
+  client_weight: WeightFn | None
+
+
+def _init_state(params, inner: optax.GradientTransformation, plan: _Plan,
+                key: jax.Array) -> PeriodicState:
+  axes = worker_axes("periodic averaging init")
+  anchor = jax.tree.map(lambda leaf: jax.lax.pmean(leaf, axes), params)
+  leaves = jax.tree.leaves(anchor)
+  groups = fragment_leaves([leaf.size for leaf in leaves], plan.fragments)
+  return PeriodicState(
+      inner=inner.init(params), anchor=anchor,
+      outer=tuple(plan.outer.init([leaves[i] for i in group]) for group in groups),
+      sync=tuple(plan.sync.init([jax.tree.leaves(params)[i] for i in group])
+                 for group in groups),
+      key=key, count=jnp.zeros((), jnp.int32))
+
+
+def _sync_branch(plan: _Plan, t: jax.Array) -> jax.Array:
+  """0 after step ``t`` (0-based) if nothing synchronizes, else ``1 + `` the fragment that does."""
+  if plan.fragments == 1:
+    due = (t < plan.warmup_steps) | ((t + 1 - plan.warmup_steps) % plan.period == 0)
+    return jnp.where(due, 1, 0)
+  stride = plan.period // plan.fragments
+  return jnp.where((t + 1) % stride == 0, ((t + 1) // stride - 1) % plan.fragments + 1, 0)
+
+
+def _merge_branch(plan: _Plan, t: jax.Array) -> jax.Array:
+  """0 after step ``t`` if no delayed merge is due, else ``1 + `` the fragment to merge."""
+  stride = plan.period // plan.fragments
+  arrived = t + 1 - plan.delay
+  return jnp.where((arrived > 0) & (arrived % stride == 0),
+                   (arrived // stride - 1) % plan.fragments + 1, 0)
+
+
+def _merge(mixing: float, local: list, anchor: list, group: list[int]) -> None:
+  """``theta_i = mixing theta_i + (1 - mixing) theta_sync`` on the group's leaves, in place."""
+  axes = worker_axes("periodic averaging update")
+  for i in group:
+    local[i] = vary(anchor[i], axes) if mixing == 0.0 else \
+        mixing * local[i] + (1 - mixing) * anchor[i]
+
+
+def _merged(mixing: float, group: list[int], operands) -> list:
+  local, anchor = list(operands[0]), operands[1]
+  _merge(mixing, local, anchor, group)
+  return local
+
+
+def _synchronize(plan: _Plan, f: int, group: list[int], round_key: jax.Array, operands):
+  """Fragment ``f``: the (weighted) mean pseudo-gradient through ``sync``, the outer step on
+  ``theta_sync`` and, without delay, the merge."""
+  local, anchor, outer_states, sync_states = (list(x) for x in operands)
+  axes = worker_axes("periodic averaging update")
+  scale = 1.0 if plan.client_weight is None else \
+      device_count(axes) * plan.client_weight(round_key, axes)
+  deltas = [(anchor[i] - local[i]) * scale for i in group]
+  mean, sync_states[f] = plan.sync.update(deltas, sync_states[f])
+  steps, outer_states[f] = plan.outer.update(mean, outer_states[f], [anchor[i] for i in group])
+  for i, step in zip(group, steps):
+    anchor[i] = anchor[i] + step
+  if plan.delay == 0:
+    _merge(plan.mixing, local, anchor, group)
+  return local, anchor, tuple(outer_states), tuple(sync_states)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -11,12 +12,13 @@ import optax
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
-from jaxcomm.compress.base import (check_float, check_float_input, check_float_tree,
-                                   check_int_range, psum_payload)
+from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
+from jaxcomm.mesh_axes import vary
 from jaxcomm.optim import hsdp
-from jaxcomm.optim.nonfinite import skip_nonfinite
+from jaxcomm.optim.nonfinite import has_nonfinite, keep_if, with_nonfinite_policy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import check_float, check_float_input, check_float_tree, check_int_range
 
 
 class PowerSGDAllReduceState(NamedTuple):
@@ -33,7 +35,7 @@ class PowerSGDAllReduceState(NamedTuple):
 
 
 def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
-                       start_step: int = 0, feedback: bool = True, epsilon: float = 1e-8,
+                       warmup_steps: int = 0, feedback: bool = True, epsilon: float = 1e-8,
                        seed: int = 0, fast_axis: str = LOCAL_AXIS,
                        slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """Mean of per-device gradients: dense inside a host, rank-``r`` PowerSGD between hosts.
@@ -44,7 +46,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   ``(out, rest)`` matrix, so conv kernels become ``(out, h w in)``), one warm-started power
   iteration with error feedback whose two products ``P = M Q`` and ``Q = M^T P`` are
   ``psum``-ed over ``slow_axis`` (same-shaped matrices stacked into one collective); other
-  leaves are ``psum``-ed dense. For the first ``start_step`` steps everything is sent dense
+  leaves are ``psum``-ed dense. For the first ``warmup_steps`` steps everything is sent dense
   (the paper's warm-up). ``Q`` starts from a key shared by every device.
 
   Bytes per device and step for an ``m x n`` float32 leaf (``D = 4 m n``), ``G`` devices per
@@ -54,7 +56,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   Args:
     rank: ``r`` >= 1.
     min_compression_rate: leaves below this rate are sent dense; > 0.
-    start_step: steps of dense warm-up, >= 0.
+    warmup_steps: steps of dense warm-up, >= 0.
     feedback: keep error-feedback residuals (the paper's method); without, the output is the
       plain rank-r approximation of the mean.
     epsilon: added to column norms when orthogonalizing; >= 0.
@@ -71,7 +73,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   """
   rank = check_int_range("rank", rank, 1)
   min_compression_rate = check_float("min_compression_rate", min_compression_rate)
-  start_step = check_int_range("start_step", start_step, 0)
+  warmup_steps = check_int_range("warmup_steps", warmup_steps, 0)
   epsilon = check_float("epsilon", epsilon, inclusive=True)
   seed = check_int_range("seed", seed, 0)
   if not isinstance(feedback, bool):
@@ -83,36 +85,16 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   axes = (fast_axis, slow_axis)
 
-  def _shards() -> hsdp.ShardedLeaves | None:
-    """Under ``data_parallel(..., shard_over=)``: the leaves are flat shards, factorized by
-    column blocks (:func:`jaxcomm.optim.hsdp.powersgd_on_shards`)."""
-    shards = hsdp.sharded_leaves()
-    if shards is not None and shards.axis != fast_axis:
-      raise ValueError(f"powersgd_allreduce(fast_axis={fast_axis!r}) runs on parameters sharded "
-                       f"over {shards.axis!r}: its fast_axis must be the sharded axis.")
-    return shards
-
-  def factorized(shape) -> bool:
-    return compression_rate(tuple(shape), rank) >= min_compression_rate
-
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-      check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
-    if (shards := _shards()) is not None:
-      states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
-                                    min_compression_rate=min_compression_rate, seed=seed,
-                                    slow_axis=slow_axis)
-      return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
-    states = []
-    for index, leaf in enumerate(jax.tree.leaves(params)):
-      if not factorized(leaf.shape):
-        states.append(())
-        continue
-      residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
-      states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
-                                      residual=residual))
-    return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
+    shards = _sharded_leaves(fast_axis)
+    if shards is None:
+      return _init_state(params, rank, min_compression_rate, seed, slow_axis)
+    check_float_tree(params, "params")
+    states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
+                                  min_compression_rate=min_compression_rate, seed=seed,
+                                  slow_axis=slow_axis)
+    return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
 
   def update(grads, state: PowerSGDAllReduceState, params=None):
     del params
@@ -120,16 +102,14 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     check_float_tree(grads, "grads")
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
-    shards = _shards()
+    shards = _sharded_leaves(fast_axis)
     if shards is None:
       devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
       host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
     else:  # each device already holds its shard of the host's mean (sharded data parallelism)
       host_sums = [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
 
-    def dense(operands):
-      sums, states = operands
-      return [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums], list(states)
+    dense = functools.partial(_dense_sums, slow_axis)
 
     def compressed(operands):
       sums, states = operands
@@ -140,8 +120,8 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
                              feedback=feedback)
 
     operands = (host_sums, list(state.leaves))
-    if start_step:
-      outputs, states = jax.lax.cond(state.count < start_step, warmup(dense), compressed,
+    if warmup_steps:
+      outputs, states = jax.lax.cond(state.count < warmup_steps, warmup(dense), compressed,
                                      operands)
     else:
       outputs, states = compressed(operands)
@@ -149,6 +129,38 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     return treedef.unflatten(means), PowerSGDAllReduceState(tuple(states), state.count + 1)
 
   return optax.GradientTransformation(init, update)
+
+
+def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:
+  """Under ``data_parallel(..., shard_over=)``: the leaves are flat shards, factorized by
+  column blocks (:func:`jaxcomm.optim.hsdp.powersgd_on_shards`); else ``None``."""
+  shards = hsdp.sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"powersgd_allreduce(fast_axis={fast_axis!r}) runs on parameters sharded "
+                     f"over {shards.axis!r}: its fast_axis must be the sharded axis.")
+  return shards
+
+
+def _init_state(params, rank: int, min_compression_rate: float, seed: int,
+                slow_axis: str) -> PowerSGDAllReduceState:
+  """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
+  ``()`` per leaf sent dense."""
+  states = []
+  for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
+    check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
+    if compression_rate(tuple(leaf.shape), rank) < min_compression_rate:
+      states.append(())
+      continue
+    states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
+                                    residual=vary(jnp.zeros(leaf.shape, jnp.float32),
+                                                  (slow_axis,))))
+  return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
+
+
+def _dense_sums(slow_axis: str, operands):
+  """Warm-up: every host sum ``psum``-ed over ``slow_axis`` in float32; states untouched."""
+  sums, states = operands
+  return [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums], list(states)
 
 
 def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, residual_dtype,
@@ -174,23 +186,13 @@ def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, resi
       raise ValueError(f"{compressor.name} runs its own matrix collective, which takes no "
                        f"{name}={value!r} (allowed: {allowed!r}).")
   if not isinstance(method, PowerSGDMethod):
-    return _with_nonfinite(leaf_allreduce(compressor, feedback=feedback, fast_axis=fast_axis,
-                                          slow_axis=slow_axis),
-                           nonfinite, (fast_axis, slow_axis))
+    return with_nonfinite_policy(leaf_allreduce(compressor, feedback=feedback,
+                                                fast_axis=fast_axis, slow_axis=slow_axis),
+                                 nonfinite, (fast_axis, slow_axis))
   inner = powersgd_allreduce(method.rank, min_compression_rate=method.min_compression_rate,
                              feedback=feedback, epsilon=method.epsilon, seed=method.seed,
                              fast_axis=fast_axis, slow_axis=slow_axis)
-  return _with_nonfinite(inner, nonfinite, (fast_axis, slow_axis))
-
-
-def _with_nonfinite(inner, nonfinite: str, axes) -> optax.GradientTransformation:
-  if nonfinite == "skip":
-    return skip_nonfinite(inner, axes)
-  if nonfinite == "zero":
-    zero = lambda grads, params: jax.tree.map(
-        lambda g: jnp.where(jnp.isfinite(g), g, jnp.zeros_like(g)), grads)
-    return optax.chain(optax.stateless(zero), inner)
-  return inner
+  return with_nonfinite_policy(inner, nonfinite, (fast_axis, slow_axis))
 
 
 class LeafAllReduceState(NamedTuple):
@@ -230,7 +232,7 @@ def leaf_allreduce(compressor, *, feedback: bool, fast_axis: str,
     for path, leaf in jax.tree_util.tree_leaves_with_path(params):
       check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
     residual = tuple(
-        jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+        vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
         if feedback else () for leaf in leaves)
     return LeafAllReduceState(tuple(compressor.init(leaf.shape, jnp.float32) for leaf in leaves),
                               residual)
@@ -249,10 +251,9 @@ def leaf_allreduce(compressor, *, feedback: bool, fast_axis: str,
         corrected = corrected + residual
       payload, new_cstate = compressor.encode(corrected, cstate, None)
       mean = compressor.decode(psum_payload(payload, slow_axis), leaf.shape)
-      finite = jnp.all(jnp.isfinite(mean))
       if feedback:
         kept = corrected - compressor.decode(payload, leaf.shape)
-        residual = jnp.where(finite, kept, residual)
+        residual = keep_if(has_nonfinite([mean]), residual, kept)
       means.append(mean.astype(leaf.dtype))
       states.append(new_cstate)
       residuals.append(residual)

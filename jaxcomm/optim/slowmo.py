@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range, check_unit_interval
 from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.validation import check_int_range, check_learning_rate, check_unit_interval
 
 
 class SlowMomentumState(NamedTuple):
@@ -23,8 +23,8 @@ class SlowMomentumState(NamedTuple):
   count: jax.Array
 
 
-def slow_momentum(base_learning_rate: float | optax.Schedule, beta: float, alpha: float,
-                  period: int) -> optax.GradientTransformation:
+def slow_momentum(base_learning_rate: optax.ScalarOrSchedule, beta: float,
+                  alpha: optax.ScalarOrSchedule, period: int) -> optax.GradientTransformation:
   """The outer step of SlowMo on the averaged pseudo-gradient ``Delta``.
 
   ``d = Delta / gamma_t``; ``u = beta u + d``; step ``= -alpha gamma_t u``, with ``gamma_t``
@@ -36,11 +36,11 @@ def slow_momentum(base_learning_rate: float | optax.Schedule, beta: float, alpha
     base_learning_rate: the inner optimizer's learning rate, a float or an optax schedule of
       the inner step.
     beta: slow momentum in ``[0, 1)``.
-    alpha: slow learning rate ``> 0``.
+    alpha: slow learning rate ``> 0``, a float or an optax schedule of the outer step.
     period: inner steps per outer step.
   """
-  schedule = base_learning_rate if callable(base_learning_rate) else \
-      (lambda step, lr=check_float("base_learning_rate", base_learning_rate): lr)
+  schedule = check_learning_rate("base_learning_rate", base_learning_rate)
+  slow_rate = check_learning_rate("alpha", alpha)
 
   def init(params) -> SlowMomentumState:
     return SlowMomentumState(momentum=jax.tree.map(jnp.zeros_like, params),
@@ -50,7 +50,7 @@ def slow_momentum(base_learning_rate: float | optax.Schedule, beta: float, alpha
     del params
     gamma = schedule(state.count * period)
     momentum = jax.tree.map(lambda u, d: beta * u + d / gamma, state.momentum, delta)
-    steps = jax.tree.map(lambda u: -alpha * gamma * u, momentum)
+    steps = jax.tree.map(lambda u: -slow_rate(state.count) * gamma * u, momentum)
     return steps, SlowMomentumState(momentum=momentum, count=state.count + 1)
 
   return optax.GradientTransformation(init, update)
@@ -58,7 +58,7 @@ def slow_momentum(base_learning_rate: float | optax.Schedule, beta: float, alpha
 
 def slowmo(inner: optax.GradientTransformation, period: int,
            base_learning_rate: float | optax.Schedule, *, beta: float = 0.5,
-           alpha: float = 1.0,
+           alpha: optax.ScalarOrSchedule = 1.0,
            sync: optax.GradientTransformation | None = None) -> optax.GradientTransformation:
   """SlowMo: ``period`` local steps of ``inner``, average, then a slow momentum step.
 
@@ -78,7 +78,7 @@ def slowmo(inner: optax.GradientTransformation, period: int,
     period: ``H >= 1`` local steps between averagings (``tau`` in the paper).
     base_learning_rate: ``gamma``, the base optimizer's learning rate (float or schedule).
     beta: slow momentum in ``[0, 1)``.
-    alpha: slow learning rate ``> 0``.
+    alpha: slow learning rate ``> 0``, a float or an optax schedule of the outer step.
     sync: averaging transformation (default dense :func:`jaxcomm.compressed_allreduce`).
 
   Returns:
@@ -90,6 +90,6 @@ def slowmo(inner: optax.GradientTransformation, period: int,
   """
   check_int_range("period", period, 1)
   beta = check_unit_interval("beta", beta)
-  alpha = check_float("alpha", alpha)
+  alpha = check_learning_rate("alpha", alpha)
   return periodic_averaging(inner, slow_momentum(base_learning_rate, beta, alpha, period),
                             period, sync=sync)

@@ -11,14 +11,14 @@ import optax
 
 from jaxcomm.collectives.axes import require_axes
 from jaxcomm.compress import chunks
-from jaxcomm.compress.base import (check_float, check_float_tree, check_fraction,
-                                   check_int_range, check_unit_interval)
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from jaxcomm.compress.topk import MAX_UINT16_CHUNK
+from jaxcomm.mesh_axes import manual_axes, vary
 from jaxcomm.optim import hsdp
-from jaxcomm.optim.local_training import manual_axes, vary
 from jaxcomm.optim.periodic import periodic_averaging
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import (check_float, check_float_tree, check_fraction, check_int_range,
+                                check_unit_interval)
 
 FULL_PRECISION = 32
 

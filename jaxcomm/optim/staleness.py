@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.compress.base import check_float, check_int_range
+from jaxcomm.validation import check_float, check_int_range
 
 SCALINGS = ("none", "linear", "sqrt", "exponential")
 

@@ -11,6 +11,7 @@ accumulated since the last synchronization with the 1-bit collective.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
@@ -19,10 +20,11 @@ import optax
 
 from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
 from jaxcomm.collectives.hierarchical import init_states
-from jaxcomm.compress.base import check_float, check_float_tree, check_int_range
-from jaxcomm.optim.local_training import vary
+from jaxcomm.keys import unread_key
+from jaxcomm.mesh_axes import vary
 from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
+from jaxcomm.validation import check_float_tree, check_int_range, check_learning_rate
 
 # Branches of one step, in the order of the ``lax.switch``.
 VARIANCE, ONEBIT, LOCAL, SYNC = range(4)
@@ -150,110 +152,163 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     Lu, Li, He, Tang, Zhang, Wang, Gao, Zhang & Yang, "Maximizing Communication Efficiency
     for Large-scale Training via 0/1 Adam", ICLR 2023.
   """
-  schedule = learning_rate if callable(learning_rate) else \
-      (lambda count, lr=check_float("learning_rate", learning_rate): lr)
+  schedule = check_learning_rate("learning_rate", learning_rate)
   freeze = check_int_range("var_freeze_step", var_freeze_step, 1)
   var_scaler = check_int_range("var_update_scaler", var_update_scaler, 1)
   sync_scaler = check_int_range("local_step_scaler", local_step_scaler, 1)
   clipper = check_int_range("local_step_clipper", local_step_clipper, 1)
   b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
-  axes = (fast_axis, slow_axis)
+  hyper = _Hyper(b1, b2, eps, (fast_axis, slow_axis), compressed_levels, dense_levels)
 
   def init(params) -> ZeroOneAdamState:
-    require_axes(axes, "zero_one_adam.init")
-    check_float_tree(params, "params")
-    replicated = first_invariant(params, axes)
-    if replicated:
-      raise ValueError(
-          f"zero_one_adam needs device-local parameters: params{replicated[0]} is "
-          f"replicated over mesh axis {replicated[1]!r}. Give every device its own copy "
-          "with jaxcomm.to_device_local and step it with jaxcomm.local_training_step.")
-    as_float = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-    zeros = jax.tree.map(jnp.zeros_like, as_float)
-    int_zero = jnp.zeros((), jnp.int32)
-    return ZeroOneAdamState(
-        count=int_zero, mu=zeros, nu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32),
-                                                  params),
-        anchor=as_float, weight_sum=jnp.zeros((), jnp.float32), local_steps=int_zero,
-        next_var_step=int_zero + 1, steps_per_kind=jnp.zeros((4,), jnp.int32),
-        residuals=tuple(init_states(compressed_levels, leaf.size, jnp.float32)
-                        for leaf in jax.tree.leaves(params)))
+    return _init_state(params, hyper)
 
   def update(grads, state: ZeroOneAdamState, params=None):
     if params is None:
       raise ValueError("zero_one_adam needs params in update(grads, state, params).")
-    require_axes(axes, "zero_one_adam.update")
-    require_varying(grads, axes, "zero_one_adam.update")
-    grad_leaves, treedef = jax.tree.flatten(
-        jax.tree.map(lambda g: g.astype(jnp.float32), grads))
-    param_leaves = treedef.flatten_up_to(params)
-    local = [p.astype(jnp.float32) for p in param_leaves]
-    mu, nu = treedef.flatten_up_to(state.mu), treedef.flatten_up_to(state.nu)
-    anchor = treedef.flatten_up_to(state.anchor)
+    require_axes(hyper.axes, "zero_one_adam.update")
+    require_varying(grads, hyper.axes, "zero_one_adam.update")
     t = state.count + 1
-    weight = schedule(state.count) / (1 - b1 ** t.astype(jnp.float32))
-    key = jax.random.fold_in(jax.random.PRNGKey(0), state.count)
     frozen = t > freeze
     var_step = ~frozen & (t == state.next_var_step)
-    var_updates = state.var_updates + var_step
     gap = jnp.minimum(_doubling(t - freeze - 1, sync_scaler), clipper)
     sync = frozen & (state.local_steps + 1 >= gap)
     kind = jnp.where(frozen, jnp.where(sync, SYNC, LOCAL), jnp.where(var_step, VARIANCE, ONEBIT))
-
-    def momenta(gradients):
-      return [b1 * m + (1 - b1) * g for m, g in zip(mu, gradients)]
-
-    def denominators(variances):
-      correction = 1 - b2 ** jnp.maximum(var_updates, 1).astype(jnp.float32)
-      return [jnp.sqrt(v / correction) + eps for v in variances]
-
-    def adam_step(params_, momenta_, variances, scales):
-      """``params - w_t m / (sqrt(v_hat) + eps)``, zero where the variance is 0."""
-      return [jnp.where(v > 0, p - weight * m / d, p)
-              for p, m, v, d in zip(params_, momenta_, variances, scales)]
-
-    def synchronous(new_mu, new_nu, residuals):
-      """Steps before the freeze: every device applies the same update to the anchor."""
-      new_mu = [vary(m, axes) for m in new_mu]
-      new_anchor = adam_step(anchor, new_mu, new_nu, denominators(new_nu))
-      return new_anchor, new_mu, new_nu, new_anchor, jnp.zeros((), jnp.float32), residuals
-
-    def variance_step(residuals):
-      averaged, _ = allreduce_leaves(grad_leaves, [((), ())] * len(mu), dense_levels, key)
-      return synchronous(momenta(averaged),
-                         [b2 * v + (1 - b2) * g * g for v, g in zip(nu, averaged)], residuals)
-
-    def onebit_step(residuals):
-      averaged, residuals = allreduce_leaves(grad_leaves, residuals, compressed_levels, key)
-      return synchronous(momenta(averaged), nu, residuals)
-
-    def local_step(residuals):
-      new_mu = momenta(grad_leaves)
-      return (adam_step(local, new_mu, nu, denominators(nu)), new_mu, nu, anchor,
-              state.weight_sum + weight, residuals)
-
-    def sync_step(residuals):
-      scales = denominators(nu)
-      stepped = adam_step(local, momenta(grad_leaves), nu, scales)
-      residuals = jax.tree.map(lambda r: jnp.where(t == freeze + 1, jnp.zeros_like(r), r),
-                               residuals)
-      accumulated = [(a - p) * d for a, p, d in zip(anchor, stepped, scales)]
-      averaged, residuals = allreduce_leaves(accumulated, residuals, compressed_levels, key)
-      new_anchor = [vary(jnp.where(v > 0, a - u / d, a), axes)
-                    for a, u, v, d in zip(anchor, averaged, nu, scales)]
-      new_mu = [vary(u / (state.weight_sum + weight), axes) for u in averaged]
-      return new_anchor, new_mu, nu, new_anchor, jnp.zeros((), jnp.float32), residuals
-
+    step, treedef, param_leaves = _step_inputs(hyper, state, grads, params, schedule,
+                                               var_step, freeze)
+    branches = [functools.partial(branch, hyper, step)
+                for branch in (_variance_step, _onebit_step, _local_step, _sync_step)]
     new_local, new_mu, new_nu, new_anchor, weight_sum, residuals = jax.lax.switch(
-        kind, [variance_step, onebit_step, local_step, sync_step], state.residuals)
+        kind, branches, state.residuals)
     updates = [(new - old).astype(p.dtype) for new, old, p in
-               zip(new_local, local, param_leaves)]
+               zip(new_local, step.local, param_leaves)]
     return treedef.unflatten(updates), ZeroOneAdamState(
         count=t, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu),
         anchor=treedef.unflatten(new_anchor), weight_sum=weight_sum,
         local_steps=jnp.where(frozen & ~sync, state.local_steps + 1, 0),
-        next_var_step=jnp.where(var_step, t + _doubling(var_updates, var_scaler),
+        next_var_step=jnp.where(var_step, t + _doubling(step.var_updates, var_scaler),
                                 state.next_var_step),
         steps_per_kind=state.steps_per_kind.at[kind].add(1), residuals=residuals)
 
   return optax.GradientTransformation(init, update)
+
+
+class _Hyper(NamedTuple):
+  """The static configuration of one :func:`zero_one_adam`."""
+  b1: float
+  b2: float
+  eps: float
+  axes: tuple[str, str]
+  compressed_levels: tuple
+  dense_levels: tuple
+
+
+class _Step(NamedTuple):
+  """One step's inputs, as float32 leaf lists in the gradients' leaf order."""
+  grads: list
+  local: list  # this device's parameters
+  mu: list
+  nu: list
+  anchor: list
+  weight: jax.Array  # w_t = lr_t / (1 - b1^t)
+  weight_sum: jax.Array
+  key: jax.Array
+  var_updates: jax.Array  # variance updates including this step's
+  first_sync: jax.Array  # whether this is the first step after the freeze
+
+
+def _init_state(params, hyper: _Hyper) -> ZeroOneAdamState:
+  require_axes(hyper.axes, "zero_one_adam.init")
+  check_float_tree(params, "params")
+  replicated = first_invariant(params, hyper.axes)
+  if replicated:
+    raise ValueError(
+        f"zero_one_adam needs device-local parameters: params{replicated[0]} is "
+        f"replicated over mesh axis {replicated[1]!r}. Give every device its own copy "
+        "with jaxcomm.to_device_local and step it with jaxcomm.local_training_step.")
+  as_float = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  int_zero = jnp.zeros((), jnp.int32)
+  return ZeroOneAdamState(
+      count=int_zero, mu=jax.tree.map(jnp.zeros_like, as_float),
+      nu=jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params),
+      anchor=as_float, weight_sum=jnp.zeros((), jnp.float32), local_steps=int_zero,
+      next_var_step=int_zero + 1, steps_per_kind=jnp.zeros((4,), jnp.int32),
+      residuals=tuple(init_states(hyper.compressed_levels, leaf.size, jnp.float32)
+                      for leaf in jax.tree.leaves(params)))
+
+
+def _step_inputs(hyper: _Hyper, state: ZeroOneAdamState, grads, params, schedule,
+                 var_step: jax.Array, freeze: int):
+  """``(_Step, treedef, parameter leaves)`` of one update."""
+  grad_leaves, treedef = jax.tree.flatten(jax.tree.map(lambda g: g.astype(jnp.float32), grads))
+  param_leaves = treedef.flatten_up_to(params)
+  t = (state.count + 1).astype(jnp.float32)
+  step = _Step(
+      grads=grad_leaves, local=[p.astype(jnp.float32) for p in param_leaves],
+      mu=treedef.flatten_up_to(state.mu), nu=treedef.flatten_up_to(state.nu),
+      anchor=treedef.flatten_up_to(state.anchor),
+      weight=schedule(state.count) / (1 - hyper.b1 ** t), weight_sum=state.weight_sum,
+      key=unread_key(),
+      var_updates=state.var_updates + var_step, first_sync=state.count + 1 == freeze + 1)
+  return step, treedef, param_leaves
+
+
+def _momenta(hyper: _Hyper, step: _Step, gradients) -> list:
+  return [hyper.b1 * m + (1 - hyper.b1) * g for m, g in zip(step.mu, gradients)]
+
+
+def _denominators(hyper: _Hyper, step: _Step, variances) -> list:
+  """``sqrt(v_hat) + eps``, ``v_hat`` bias-corrected by the variance updates so far."""
+  correction = 1 - hyper.b2 ** jnp.maximum(step.var_updates, 1).astype(jnp.float32)
+  return [jnp.sqrt(v / correction) + hyper.eps for v in variances]
+
+
+def _adam_step(step: _Step, params, momenta, variances, scales) -> list:
+  """``params - w_t m / (sqrt(v_hat) + eps)``, zero where the variance is 0."""
+  return [jnp.where(v > 0, p - step.weight * m / d, p)
+          for p, m, v, d in zip(params, momenta, variances, scales)]
+
+
+def _synchronous(hyper: _Hyper, step: _Step, new_mu, new_nu, residuals):
+  """Steps before the freeze: every device applies the same update to the anchor."""
+  new_mu = [vary(m, hyper.axes) for m in new_mu]
+  new_anchor = _adam_step(step, step.anchor, new_mu, new_nu,
+                          _denominators(hyper, step, new_nu))
+  return new_anchor, new_mu, new_nu, new_anchor, jnp.zeros((), jnp.float32), residuals
+
+
+def _variance_step(hyper: _Hyper, step: _Step, residuals):
+  """Full-precision mean gradient; momentum and variance updated."""
+  averaged, _ = allreduce_leaves(step.grads, [((), ())] * len(step.mu), hyper.dense_levels,
+                                 step.key)
+  new_nu = [hyper.b2 * v + (1 - hyper.b2) * g * g for v, g in zip(step.nu, averaged)]
+  return _synchronous(hyper, step, _momenta(hyper, step, averaged), new_nu, residuals)
+
+
+def _onebit_step(hyper: _Hyper, step: _Step, residuals):
+  """1-bit mean gradient; momentum updated, variance kept."""
+  averaged, residuals = allreduce_leaves(step.grads, residuals, hyper.compressed_levels,
+                                         step.key)
+  return _synchronous(hyper, step, _momenta(hyper, step, averaged), step.nu, residuals)
+
+
+def _local_step(hyper: _Hyper, step: _Step, residuals):
+  """No communication: this device's own momentum and Adam step."""
+  new_mu = _momenta(hyper, step, step.grads)
+  return (_adam_step(step, step.local, new_mu, step.nu, _denominators(hyper, step, step.nu)),
+          new_mu, step.nu, step.anchor, step.weight_sum + step.weight, residuals)
+
+
+def _sync_step(hyper: _Hyper, step: _Step, residuals):
+  """A local step, then the 1-bit mean of the momenta accumulated since the anchor."""
+  scales = _denominators(hyper, step, step.nu)
+  stepped = _adam_step(step, step.local, _momenta(hyper, step, step.grads), step.nu, scales)
+  residuals = jax.tree.map(lambda r: jnp.where(step.first_sync, jnp.zeros_like(r), r),
+                           residuals)
+  accumulated = [(a - p) * d for a, p, d in zip(step.anchor, stepped, scales)]
+  averaged, residuals = allreduce_leaves(accumulated, residuals, hyper.compressed_levels,
+                                         step.key)
+  new_anchor = [vary(jnp.where(v > 0, a - u / d, a), hyper.axes)
+                for a, u, v, d in zip(step.anchor, averaged, step.nu, scales)]
+  new_mu = [vary(u / (step.weight_sum + step.weight), hyper.axes) for u in averaged]
+  return new_anchor, new_mu, step.nu, new_anchor, jnp.zeros((), jnp.float32), residuals

@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxcomm.mesh_axes import vary
+
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
   """Checks ``(batch, seq, heads, head_dim)`` self-attention inputs with GQA-compatible heads.
@@ -64,8 +66,4 @@ def match_varying(*arrays: jax.Array, axis_names: tuple[str, ...]) -> tuple[jax.
   target = set(axis_names)
   for x in arrays:
     target |= jax.typeof(x).mat.varying
-  cast = []
-  for x in arrays:
-    missing = tuple(sorted(target - jax.typeof(x).mat.varying))
-    cast.append(jax.lax.pcast(x, missing, to="varying") if missing else x)
-  return tuple(cast)
+  return tuple(vary(x, sorted(target)) for x in arrays)

@@ -14,19 +14,21 @@ from lowcomm_helpers import eval_loss, train
 LR = 0.1
 
 
+@pytest.mark.parametrize("scheduled", [False, True])
 @pytest.mark.parametrize("nesterov", [False, True])
-def test_block_momentum_follows_the_papers_recursion(nesterov):
-  eta, zeta = 0.75, 1.5
+def test_block_momentum_follows_the_papers_recursion(nesterov, scheduled):
+  eta = 0.75
+  zeta = lambda block: 1.5 * 0.5 ** block if scheduled else 1.5
   rng = np.random.default_rng(0)
-  tx = block_momentum(eta, zeta, nesterov)
+  tx = block_momentum(eta, optax.exponential_decay(1.5, 1, 0.5) if scheduled else 1.5, nesterov)
   start = rng.normal(size=5)
   state = tx.init(jnp.asarray(start))
   w_init = start.copy()          # where every device starts the block
   w_g, delta = start.copy(), np.zeros(5)
-  for _ in range(4):
+  for block in range(4):
     mean_local = w_init + rng.normal(size=5)  # mean of the devices' models after the block
     step, state = tx.update(jnp.asarray(w_init - mean_local), state)
-    delta = eta * delta + zeta * (mean_local - w_init)
+    delta = eta * delta + zeta(block) * (mean_local - w_init)
     w_g = w_g + delta
     expected_init = w_g + eta * delta if nesterov else w_g
     np.testing.assert_allclose(w_init + np.asarray(step), expected_init, rtol=1e-5, atol=1e-5)

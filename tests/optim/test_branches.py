@@ -62,7 +62,7 @@ CASES = {
                                               mixing=0.5), True),
     "fedavg": (lambda: optim.fedavg(optax.sgd(0.1), 4, client_sizes=range(1, 9),
                                     clients_per_round=6), True),
-    "dgc warm-up": (lambda: optax.chain(optim.dgc(0.01, warmup_steps=2), optax.sgd(0.1)),
+    "dgc warm-up": (lambda: optax.chain(optim.dgc(0.01, warmup_stage_steps=2), optax.sgd(0.1)),
                     False),
     "onebit_adam": (lambda: optim.onebit_adam(1e-3, warmup_steps=2), False),
     "zero_one_adam": (lambda: optim.zero_one_adam(1e-3, var_freeze_step=4), True),

@@ -40,7 +40,7 @@ def _zero_fraction(tree):
 def test_warmup_density_then_final_density_and_momentum_masking():
   _, params, _, _ = problem()
   sizes = [x.size for x in jax.tree.leaves(params)]
-  state = train(dgc(0.1, warmup_densities=(0.5,), warmup_steps=1), 1)[1]
+  state = train(dgc(0.1, warmup_densities=(0.5,), warmup_stage_steps=1), 1)[1]
   for fraction, size in zip(_zero_fraction(state.velocity), sizes):
     np.testing.assert_allclose(fraction, (size // 2) / size)  # sent half: zeroed in v
   for u, v in zip(jax.tree.leaves(state.momentum), jax.tree.leaves(state.velocity)):
@@ -53,7 +53,7 @@ def test_warmup_density_then_final_density_and_momentum_masking():
 # Both strategies and both axis layouts (the exactness test above covers every pair).
 @pytest.mark.parametrize("strategy, fast_axis", [("gather", None), ("two_phase", "local")])
 def test_trains_the_mlp_close_to_dense_and_resumes_from_numpy(strategy, fast_axis):
-  tx = optax.chain(dgc(0.05, warmup_steps=4, clip_norm=10.0, strategy=strategy,
+  tx = optax.chain(dgc(0.05, warmup_stage_steps=4, clip_norm=10.0, strategy=strategy,
                        fast_axis=fast_axis), optax.sgd(LR))
   params, state, losses, step, specs = train(tx, 60)
   assert eval_loss(params) < eval_loss(sync_sgd(LR, 60)[0]) + 0.1, losses
@@ -103,7 +103,7 @@ def test_fast_axis_missing_from_the_mesh_or_alone_in_it_raises():
     ({"density": 0.0}, r"density must be in \(0, 1\], got 0.0"),
     ({"density": 1.5}, r"density must be in \(0, 1\], got 1.5"),
     ({"warmup_densities": (0.25, 2.0)}, r"warmup_densities must be in \(0, 1\], got 2.0"),
-    ({"warmup_steps": -1}, "warmup_steps must be >= 0, got -1"),
+    ({"warmup_stage_steps": -1}, "warmup_stage_steps must be >= 0, got -1"),
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
     ({"strategy": "linear"}, "strategy must be 'gather' or 'two_phase', got 'linear'"),
 ])

@@ -90,6 +90,29 @@ def test_trains_the_mlp_close_to_allreduce_and_resumes_from_numpy(name, make):
   chex.assert_trees_all_equal(two(params, state), two(*restored))
 
 
+def test_random_peers_are_drawn_alike_from_a_seed_and_from_its_typed_or_legacy_key():
+  mesh = problem()[3]
+  x = {"w": jax.random.normal(jax.random.PRNGKey(0), (8 * 64,))}
+  tx = lambda seed: gossip(optax.sgd(0.0), "random", seed=seed)
+  initial = lambda seed: jaxcomm.sharded_init(tx(seed), {"w": jnp.zeros((64,))}, mesh,
+                                              P(AXES))[0]
+  # update reads the state's key, never the seed: one compiled step per key layout is enough.
+  (legacy_step, seed_state), (typed_step, typed_state) = (
+      _mixing_step(tx(seed), mesh) for seed in (3, jax.random.key(3)))
+
+  def mixed(step, state):
+    mixed_params = x
+    for _ in range(2):
+      mixed_params, state, _, _ = step(mixed_params, state)
+      jax.block_until_ready(mixed_params)
+    return np.asarray(mixed_params["w"])
+
+  from_seed = mixed(legacy_step, seed_state)
+  np.testing.assert_array_equal(mixed(legacy_step, initial(jax.random.PRNGKey(3))), from_seed)
+  np.testing.assert_array_equal(mixed(typed_step, typed_state), from_seed)
+  assert not np.array_equal(mixed(typed_step, initial(jax.random.key(5))), from_seed)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({"graph": "star"}, "graph must be one of .*got 'star'"),
     ({"mixing_matrix": [[0.5, 0.5], [0.6, 0.4]]}, "doubly stochastic.*column sums"),
@@ -98,6 +121,8 @@ def test_trains_the_mlp_close_to_allreduce_and_resumes_from_numpy(name, make):
     ({"graph": "random", "compressor": jaxcomm.sign()}, "graph='random' cannot carry CHOCO"),
     ({"consensus_step": 1.5}, r"consensus_step must be in \(0, 1\], got 1.5"),
     ({"compressor": "sign"}, "compressor must be a jaxcomm.Compressor"),
+    ({"seed": 1.5}, r"seed must be an int seed, a jax.random.key\(...\) .*got 1.5"),
+    ({"seed": True}, "seed must be an int seed"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):

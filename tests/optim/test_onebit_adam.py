@@ -47,6 +47,16 @@ def test_warm_up_is_exactly_adam_on_the_mean_gradient(problem):
   np.testing.assert_allclose(ours_losses, ref_losses, rtol=1e-5)
 
 
+def test_a_learning_rate_schedule_is_followed_as_optax_adam_follows_it(problem):
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  schedule = optax.linear_schedule(1e-2, 1e-3, 3)
+  ours = _train(problem, jaxcomm.onebit_adam(schedule, warmup_steps=100), 3, mesh)[0]
+  reference = _train(problem, optax.chain(jaxcomm.compressed_allreduce(None),
+                                          optax.adam(schedule)), 3, mesh)[0]
+  # The rate falls from 1e-2 to 4e-3 in 3 steps: a schedule read once would not match.
+  chex.assert_trees_all_close(ours, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_after_warm_up_the_variance_is_frozen_and_training_keeps_up_with_adam(problem):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   _, state, losses, _, _ = _train(problem, jaxcomm.onebit_adam(1e-2, warmup_steps=10), 80, mesh)
@@ -90,7 +100,8 @@ def test_compressed_phase_sends_one_bit_per_element_between_hosts(problem):
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"warmup_steps": 0}, "warmup_steps"), ({"b1": 1.0}, "b1"), ({"b2": -0.1}, "b2"),
-    ({"learning_rate": 0.0}, "learning_rate"), ({"fast_axis": "host"}, "must differ"),
+    ({"learning_rate": 0.0}, "learning_rate"), ({"learning_rate": "1e-3"}, "learning_rate"),
+    ({"fast_axis": "host"}, "must differ"),
 ])
 def test_bad_arguments(kwargs, match):
   arguments = {"learning_rate": 1e-3, "warmup_steps": 10, **kwargs}

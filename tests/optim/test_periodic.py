@@ -51,6 +51,25 @@ def test_fedprox_with_mu_zero_is_fedavg_and_mu_pulls_clients_together():
   assert spread(proximal) < 0.8 * spread(expected)
 
 
+@pytest.mark.parametrize("make", [
+    lambda rate: fedavg(optax.sgd(LR), 2, server_learning_rate=rate, client_sizes=range(1, 9),
+                        clients_per_round=5),
+    lambda rate: slowmo(optax.sgd(LR), 2, LR, alpha=rate),
+], ids=["fedavg_server_learning_rate", "slowmo_alpha"])
+def test_an_outer_learning_rate_may_be_a_schedule_of_the_round(make):
+  halving = optax.exponential_decay(1.0, 1, 0.5, staircase=True)  # round 0: 1.0, round 1: 0.5
+  runs = [train(make(rate), 2, local=True) for rate in (halving, 1.0)]
+  chex.assert_trees_all_close(runs[0][0], runs[1][0], atol=1e-7)  # the first round alike
+  data = problem()[2]
+  second = []
+  for params, state, _, step, _ in runs:
+    for i in (2, 3):
+      params, state, _ = step(params, state, batch(data, i))
+      jax.block_until_ready(params)
+    second.append(jax.tree.leaves(params)[0])
+  assert not np.allclose(*second, atol=1e-5)  # the second round at half the rate
+
+
 def test_fedavg_averages_a_sampled_subset_weighted_by_sample_count():
   sizes = np.arange(1.0, 9.0)
   clients = train(local_sgd(optax.sgd(LR), 100), 2, local=True)[0]  # each client's own w_k
@@ -107,9 +126,13 @@ def test_trains_the_mlp_close_to_synchronous_sgd_and_resumes_from_numpy(name, ba
     (lambda: diloco(optax.sgd(LR), 4, mixing=1.0), r"mixing must be in \[0, 1\), got 1.0"),
     (lambda: slowmo(optax.sgd(LR), 4, LR, beta=1.0), r"beta must be in \[0, 1\), got 1.0"),
     (lambda: slowmo(optax.sgd(LR), 4, LR, alpha=0.0), "alpha must be a finite float > 0"),
+    (lambda: slowmo(optax.sgd(LR), 4, LR, alpha="1"), "alpha must be a float"),
     (lambda: fedavg(optax.sgd(LR), 2, client_sizes=[1, -2]), "client_sizes must be"),
     (lambda: fedavg(optax.sgd(LR), 2, clients_per_round=0), "clients_per_round must be >= 1"),
+    (lambda: fedavg(optax.sgd(LR), 2, server_learning_rate="1"), "server_learning_rate must be"),
     (lambda: fedprox(optax.sgd(LR), 2, -0.1), "mu must be a finite float >= 0, got -0.1"),
+    (lambda: fedavg(optax.sgd(LR), 2, seed=jax.random.split(jax.random.key(0), 2)),
+     "seed must be an int seed, a jax.random.key"),
 ])
 def test_bad_arguments_raise_at_construction_naming_parameter_and_value(make, match):
   with pytest.raises((ValueError, TypeError), match=match):

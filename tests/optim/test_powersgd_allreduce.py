@@ -93,7 +93,7 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   grads = {"w": jax.random.normal(jax.random.PRNGKey(3), (8, 64, 48)),
            "b": jnp.ones((8, 48))}
-  tx = jaxcomm.powersgd_allreduce(rank=2, start_step=2)
+  tx = jaxcomm.powersgd_allreduce(rank=2, warmup_steps=2)
   run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=3)
   outputs, _ = run(grads, state)
   exact = jnp.mean(grads["w"], 0)
@@ -121,7 +121,7 @@ def test_non_finite_gradients_leave_the_state_finite():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"rank": 0}, "rank"), ({"min_compression_rate": 0.0}, "min_compression_rate"),
-    ({"start_step": -1}, "start_step"), ({"epsilon": -1.0}, "epsilon"),
+    ({"warmup_steps": -1}, "warmup_steps"), ({"epsilon": -1.0}, "epsilon"),
     ({"fast_axis": "host"}, "must differ"), ({"feedback": 1}, "feedback"),
 ])
 def test_bad_arguments(kwargs, match):
