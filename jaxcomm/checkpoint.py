@@ -597,6 +597,28 @@ def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.A
                                           sharding)
 
 
+def _check_flat_shards(target, axis: str, saved_mesh: dict[str, int]) -> None:
+  """Refuses a target :func:`restore` cannot map onto another mesh shape under
+  ``shard_over``: not a ``TrainState``, per-host or dimension-split parameters."""
+  if not (hasattr(target, "params") and hasattr(target, "opt_state")):
+    raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
+                     "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
+                     f"got {type(target).__name__}.")
+  if axis not in saved_mesh:
+    raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+    spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+    if len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1:
+      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps parameters "
+                       f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
+                       f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
+                       "mesh shape.")
+    if len(leaf.shape) != 1:
+      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
+                       f"params{jax.tree_util.keystr(path)} is split along a dimension "
+                       f"(shape {tuple(leaf.shape)}): restore on the saved mesh shape.")
+
+
 class _ShardedLayout:
   """A ``data_parallel(..., shard_over=axis)`` :class:`~jaxcomm.TrainState` saved on one mesh
   shape, laid out for ``target``'s.
@@ -611,25 +633,9 @@ class _ShardedLayout:
   """
 
   def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
-    if not (hasattr(target, "params") and hasattr(target, "opt_state")):
-      raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
-                       "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
-                       f"got {type(target).__name__}.")
+    _check_flat_shards(target, axis, saved_mesh)
     self.mesh, self.target, self.axis = _target_mesh(target), target, axis
-    if axis not in saved_mesh:
-      raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
     leaves, self.treedef = jax.tree.flatten(params)
-    for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
-      spec = getattr(getattr(leaf, "sharding", None), "spec", ())
-      if len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1:
-        raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps parameters "
-                         f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
-                         f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
-                         "mesh shape.")
-      if len(leaf.shape) != 1:
-        raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
-                         f"params{jax.tree_util.keystr(path)} is split along a dimension "
-                         f"(shape {tuple(leaf.shape)}): restore on the saved mesh shape.")
     layout = hsdp.ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis,
                               (None,) * len(leaves))
     self.tx, self.spec = hsdp.on_shards(tx, layout), PartitionSpec(axis)

@@ -116,6 +116,21 @@ def split_params(model):
   return _split_module(model)
 
 
+def _placed(tx, params, graphdef, specs, mesh: Mesh, shard_over: str | None):
+  """``(params, opt_state, layout)`` on ``mesh``: replicated (``layout`` ``None``), or
+  sharded over ``shard_over`` as ``specs`` or the module's ``nnx.with_partitioning``
+  annotations say (:func:`jaxcomm.optim.hsdp.init_sharded`)."""
+  if shard_over is None:
+    if specs is not None:
+      raise ValueError("init(..., specs=) places parameter shards: it needs "
+                       "data_parallel(..., shard_over=); got shard_over=None.")
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return params, sharded_init(tx, params, mesh)[0], None
+  if specs is None and graphdef is not None:
+    specs = nnx.get_partition_spec(params)
+  return hsdp.init_sharded(tx, params, specs, mesh, shard_over)
+
+
 class _Dispatcher:
   """Bounds the steps in flight: before dispatching a step, waits until at most
   ``max_in_flight`` earlier ones may be unfinished (``None``: never waits). With 1, step
@@ -279,20 +294,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
   def init(model, specs=None) -> TrainState:
     graphdef, params = _split_module(model)
     check_float_tree(params, "params")
-    if shard_over is None:
-      if specs is not None:
-        raise ValueError("init(..., specs=) places parameter shards: it needs "
-                         "data_parallel(..., shard_over=); got shard_over=None.")
-      params, layout = jax.device_put(params, replicated), None
-      opt_state, _ = sharded_init(tx, params, mesh)
-    else:
-      if specs is None and graphdef is not None:
-        specs = nnx.get_partition_spec(params)  # nnx.with_partitioning annotations
-      params, layout = hsdp.shard_params(params, mesh, shard_over,
-                                         hsdp.leaf_dims(params, specs, mesh, shard_over))
-      if hsdp.keeps_per_host_params(hsdp.on_shards(tx, layout), params, mesh, layout):
-        params, layout = hsdp.per_host_params(params, layout, mesh)
-      opt_state, _ = hsdp.init_on_shards(hsdp.on_shards(tx, layout), params, mesh, layout)
+    params, opt_state, layout = _placed(tx, params, graphdef, specs, mesh, shard_over)
     module["graphdef"], module["layout"] = graphdef, layout
     return TrainState(params, opt_state, None if key is None else jax.device_put(key, replicated))
 

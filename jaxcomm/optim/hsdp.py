@@ -274,6 +274,17 @@ def on_shards(tx: optax.GradientTransformation,
   return optax.GradientTransformation(init, update)
 
 
+def init_sharded(tx: optax.GradientTransformation, params, specs, mesh: Mesh, axis: str):
+  """``(shards, opt_state, layout)`` for ``data_parallel(..., shard_over=axis)``: ``params``
+  split as ``specs`` says (flat where it names no axis), per host when ``tx`` keeps per-worker
+  parameters (:func:`keeps_per_host_params`), and ``tx``'s state on them."""
+  shards, layout = shard_params(params, mesh, axis, leaf_dims(params, specs, mesh, axis))
+  if keeps_per_host_params(on_shards(tx, layout), shards, mesh, layout):
+    shards, layout = per_host_params(shards, layout, mesh)
+  opt_state, _ = init_on_shards(on_shards(tx, layout), shards, mesh, layout)
+  return shards, opt_state, layout
+
+
 def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, layout: ShardLayout):
   """``(opt_state, specs)`` of ``tx`` (made with :func:`on_shards`) on ``shards``, after
   :func:`check_shardable`; a ``tx.init`` that cannot trace on shards is a ``ValueError``."""

@@ -87,14 +87,8 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    shards = _sharded_leaves(fast_axis)
-    if shards is None:
-      return _init_state(params, rank, min_compression_rate, seed, slow_axis)
-    check_float_tree(params, "params")
-    states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
-                                  min_compression_rate=min_compression_rate, seed=seed,
-                                  slow_axis=slow_axis)
-    return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
+    return _init_state(params, rank, min_compression_rate, seed, slow_axis,
+                       _sharded_leaves(fast_axis))
 
   def update(grads, state: PowerSGDAllReduceState, params=None):
     del params
@@ -103,21 +97,14 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
     shards = _sharded_leaves(fast_axis)
-    if shards is None:
-      devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
-      host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
-    else:  # each device already holds its shard of the host's mean (sharded data parallelism)
-      host_sums = [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
+    host_sums = _host_sums(leaves, shards, fast_axis, slow_axis)
 
     dense = functools.partial(_dense_sums, slow_axis)
 
     def compressed(operands):
-      sums, states = operands
-      if shards is not None:
-        return hsdp.powersgd_on_shards(sums, states, shards, slow_axis=slow_axis,
-                                       epsilon=epsilon, feedback=feedback)
-      return powersgd_reduce(sums, states, slow_axis=slow_axis, epsilon=epsilon,
-                             feedback=feedback)
+      reduce = powersgd_reduce if shards is None else functools.partial(
+          hsdp.powersgd_on_shards, shards=shards)
+      return reduce(*operands, slow_axis=slow_axis, epsilon=epsilon, feedback=feedback)
 
     operands = (host_sums, list(state.leaves))
     if warmup_steps:
@@ -141,10 +128,25 @@ def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:
   return shards
 
 
+def _host_sums(leaves, shards, fast_axis: str, slow_axis: str) -> list:
+  """Each leaf's host sum of ``g / (G H)``: a ``psum`` over ``fast_axis``; under
+  ``shard_over`` each device already holds its shard of the host's mean, divided by ``H``."""
+  if shards is not None:
+    return [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
+  devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
+  return [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+
+
 def _init_state(params, rank: int, min_compression_rate: float, seed: int,
-                slow_axis: str) -> PowerSGDAllReduceState:
+                slow_axis: str, shards=None) -> PowerSGDAllReduceState:
   """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
-  ``()`` per leaf sent dense."""
+  ``()`` per leaf sent dense; under ``shard_over`` (``shards``) by column blocks."""
+  if shards is not None:
+    check_float_tree(params, "params")
+    states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
+                                  min_compression_rate=min_compression_rate, seed=seed,
+                                  slow_axis=slow_axis)
+    return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
   states = []
   for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
     check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
