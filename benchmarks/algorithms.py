@@ -106,7 +106,7 @@ def main() -> None:
   for name, (tx, local, rate) in table.items():
     params = to_device_local(initial, mesh) if local else initial
     spec = P(tuple(mesh.axis_names)) if local else P()
-    state, specs = jaxcomm.sharded_init(tx, params, mesh, spec)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, spec)
     step = (local_training_step if local else data_parallel_step)(loss_fn, tx, mesh, specs)
     batch = lambda i: (inputs[(i % 100) * 256:(i % 100 + 1) * 256],
                        labels[(i % 100) * 256:(i % 100 + 1) * 256])

@@ -120,13 +120,13 @@ def train(method: str, optimizer: str, mesh_shape: tuple[int, int], seed: int, s
   graphdef, params = init_mlp(train_x.shape[1], HIDDEN, 10, seed=seed)
   loss_fn = classification_loss(graphdef)
   tx = optax.chain(METHODS[method](seed), OPTIMIZERS[optimizer]())
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   compiled_steps = {} if compiled_steps is None else compiled_steps
   losses = []
   for index, data in enumerate(batches(train_x, train_y, steps, seed, batch)):
     if index == 0 and (method, optimizer, mesh_shape, batch) not in compiled_steps:
       # Compiled once: the step that runs is the one whose HLO is read.
-      step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+      step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
       compiled = step.lower(params, opt_state, data).compile()
       report = jaxcomm.accounting.report_from_hlo(compiled.as_text(), mesh)
       compiled_steps[method, optimizer, mesh_shape, batch] = (compiled,
@@ -145,7 +145,7 @@ def train(method: str, optimizer: str, mesh_shape: tuple[int, int], seed: int, s
 
 def _carried(level_state) -> jax.Array | None:
   """The float32 mass a level carries per device: residual or the estimate's error."""
-  if isinstance(level_state, jaxcomm.ErrorFeedbackState):
+  if isinstance(level_state, jaxcomm.compress.ErrorFeedbackState):
     return level_state.residual
   if isinstance(level_state, jaxcomm.collectives.TwoPhaseState):
     return level_state.worker_residual

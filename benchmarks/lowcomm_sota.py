@@ -33,7 +33,7 @@ from benchmarks.scan.tasks import BATCH, charlm  # noqa: E402
 
 
 def _local(name: str, build, period: int) -> Method:
-  return Method(name, name, build, None, make_step=jaxcomm.local_training_step,
+  return Method(name, name, build, None, make_step=jaxcomm.optim.local_training_step,
                 device_local=True, comm_every=period)
 
 

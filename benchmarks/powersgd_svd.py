@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     for rank in (int(r) for r in args.ranks.split(",")):
       best = (u[:, :rank] * s[:rank]) @ vt[:rank]
       tx = jaxcomm.powersgd_allreduce(rank=rank, feedback=False, min_compression_rate=1.0)
-      state, specs = jaxcomm.sharded_init(tx, {"w": grads[0]}, mesh)
+      state, specs = jaxcomm.optim.sharded_init(tx, {"w": grads[0]}, mesh)
 
       @jax.jit
       @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(("host", "local")), specs),

@@ -8,7 +8,7 @@ Two measurements, both with two real JAX processes (gloo) started by :func:`jaxc
 2. Slow link, as a user would train: each process in its own network namespace, joined by a
    veth pair; a hosts file per namespace makes gloo bind the veth address, so every
    inter-process byte crosses it. Each process trains the mesh_scan MLP (``--hidden``) with
-   Adam through the public API (:func:`jaxcomm.data_parallel_step`) with each method, once per
+   Adam through the public API (:func:`jaxcomm.optim.data_parallel_step`) with each method, once per
    ``--local-devices`` entry. For every method the same compiled step, in the same two
    processes, is timed in rounds of phases: the link without a limit (``compute``: the step
    with the veth at memory speed) and then each ``--rates`` entry, set on both veth ends with a
@@ -210,11 +210,11 @@ def train_method(task, method, mesh, setting, args, control: RateControl) -> dic
   axes = PartitionSpec(tuple(mesh.axis_names))
   tx = method.build(setting)
   if method.device_local:
-    params = jaxcomm.to_device_local(task.params, mesh)
-    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh, axes)
+    params = jaxcomm.optim.to_device_local(task.params, mesh)
+    opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, axes)
   else:
     params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
-    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   sharding = NamedSharding(mesh, axes)
   batch_at = lambda index: jax.device_put(task.batch(index % 64), sharding)  # noqa: E731
   compiled = method.make_step(task.loss_fn, tx, mesh, specs).lower(

@@ -68,7 +68,7 @@ def compile_steps(args, mesh) -> dict:
     tx = method.build(setting)
     params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
     try:
-      opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+      opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
       step = method.make_step(task.loss_fn, tx, mesh, specs).lower(
           params, opt_state, batch_at(0)).compile()
     except Exception as error:  # reported and left out; the other methods still run

@@ -42,28 +42,28 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def _compressor(name: str, hosts: int):
+def _compressor(name: str):
   import jax.numpy as jnp
 
   import jaxcomm
   return {
       "fp32": None,
       "bf16": None,
-      "int8-shared": jaxcomm.shared_quantize("host", hosts),
+      "int8-shared": jaxcomm.compress.shared_quantize(),
       "randomk-1%": jaxcomm.randomk(0.01, shared=True),
-      "sketch": jaxcomm.count_sketch(4096, 3),
+      "sketch": jaxcomm.compress.count_sketch(4096, 3),
       "int8": jaxcomm.quantize(8),
       "sign": jaxcomm.sign(),
       "topk-1%": jaxcomm.topk(0.01),
   }[name] if name != "bf16" else jnp.bfloat16
 
 
-def _allreduce(strategy: str, name: str, hosts: int):
+def _allreduce(strategy: str, name: str):
   import jax.numpy as jnp
 
   import jaxcomm
   from jaxcomm.collectives import level
-  choice = _compressor(name, hosts)
+  choice = _compressor(name)
   if strategy == "dense":
     dtype = jnp.bfloat16 if name == "bf16" else None
     return jaxcomm.compressed_allreduce(levels=[level("local", dtype=dtype),
@@ -91,8 +91,8 @@ def main(argv: Sequence[str] | None = None) -> int:
            "nvlink4+1gbe": {"host": jaxcomm.link("1gbe"), "local": jaxcomm.link("nvlink4")}}
   rows = []
   for strategy, name in PAIRS:
-    tx = _allreduce(strategy, name, hosts)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    tx = _allreduce(strategy, name)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes), specs),

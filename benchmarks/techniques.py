@@ -59,7 +59,7 @@ def _replicated_step(loss_fn, tx, mesh, specs, signals: Sequence[str]):
                      in_specs=(P(), specs, P(AXES)) + (P(),) * len(signals),
                      out_specs=(P(), specs, P()))
   def step(params, state, batch, *values):
-    loss, grads = jaxcomm.local_value_and_grad(loss_fn)(params, batch)
+    loss, grads = jaxcomm.optim.local_value_and_grad(loss_fn)(params, batch)
     extra = dict(zip(signals, values))
     if "value" in extra:
       extra["value"] = loss
@@ -76,12 +76,12 @@ def train(task, tx, mesh, steps: int, *, local: bool = False, signals: Sequence[
   controller's signals other than the loss."""
   import jaxcomm
   if local:
-    params = jaxcomm.to_device_local(task.params, mesh)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh, P(AXES))
-    step = jaxcomm.local_training_step(task.loss_fn, tx, mesh, specs)
+    params = jaxcomm.optim.to_device_local(task.params, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, P(AXES))
+    step = jaxcomm.optim.local_training_step(task.loss_fn, tx, mesh, specs)
   else:
     params = jax.device_put(task.params, NamedSharding(mesh, P()))
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
     step = _replicated_step(task.loss_fn, tx, mesh, specs, signals)
   sharding = NamedSharding(mesh, P(AXES))
   batch = lambda i: jax.device_put(task.batch(i), sharding)  # noqa: E731
@@ -99,7 +99,7 @@ def train(task, tx, mesh, steps: int, *, local: bool = False, signals: Sequence[
     if isinstance(state, tuple) and isinstance(state[0], AdaptiveState):
       levels.append(int(state[0].level))
   if local:
-    mean = jaxcomm.device_mean(params, mesh)
+    mean = jaxcomm.optim.device_mean(params, mesh)
     distance = sum(float(np.sum((np.asarray(leaf).reshape(mesh.size, *m.shape)
                                  - np.asarray(m)) ** 2)) / mesh.size
                    for leaf, m in zip(jax.tree.leaves(params), jax.tree.leaves(mean)))

@@ -39,9 +39,16 @@ def _kind(obj) -> str:
   return "function"
 
 
+def _defined_in(module) -> list[str]:
+  """A module without ``__all__``: its functions and classes, in the order they are defined."""
+  return [name for name, obj in vars(module).items()
+          if (inspect.isfunction(obj) or inspect.isclass(obj))
+          and obj.__module__ == module.__name__]
+
+
 def _module_section(name: str, module) -> list[str]:
   lines = [f"## `jaxcomm.{name}` (module)", "", _doc(module), ""]
-  public = [n for n in getattr(module, "__all__", ()) if not n.startswith("_")]
+  public = [n for n in getattr(module, "__all__", _defined_in(module)) if not n.startswith("_")]
   if public:
     lines += ["| name | summary |", "| --- | --- |"]
     for member in public:

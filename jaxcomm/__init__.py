@@ -2,52 +2,85 @@
 
 Gradients are reduced at full precision over the fast mesh axis (inside a host) and
 compressed, with error feedback, over the slow axis (between hosts).
+
+The top level holds what a training script needs: the library-owned step
+(:func:`data_parallel`), the mesh, the gradient exchange as an optax transformation
+(:func:`compressed_allreduce` with :func:`level` and :func:`policy`), the common compressors,
+the low-communication optimizers and the planner. Everything else lives in its namespace:
+``jaxcomm.compress`` (the whole compressor catalog and payload helpers), ``jaxcomm.optim``
+(every optax transformation, the raw ``shard_map`` path: ``sharded_init``,
+``data_parallel_step``, ``local_value_and_grad``), ``jaxcomm.collectives`` (strategies and the
+hierarchical allreduce), ``jaxcomm.parallel`` (sequence and expert parallelism),
+``jaxcomm.costmodel``, ``jaxcomm.links``, ``jaxcomm.planner``, ``jaxcomm.accounting``,
+``jaxcomm.checkpoint``, ``jaxcomm.distributed`` and ``jaxcomm.launch``.
 """
 
+import importlib
+import warnings
+
 from jaxcomm import (accounting, checkpoint, collectives, compress, costmodel, distributed,
-                     launch, links, optim, parallel)
-from jaxcomm.collectives import Level, hierarchical_allreduce, level
-from jaxcomm.compress import (Compressor, ErrorFeedbackState, adaptive_threshold, cast,
-                              compose, count_sketch, error_feedback, identity, natural,
-                              majority_vote, payload_nbytes, policy, powersgd, psum_payload, qsgd,
-                              quantize, randomk, selective, shared_quantize, sign, sign_vote,
-                              sum_payloads, terngrad, threshold, topk)
-from jaxcomm.costmodel import predict, project, step_time
-from jaxcomm.links import Link, link
-from jaxcomm.parallel import (dense_attention, from_layout, gather_sequence, hybrid_attention,
-                              reduce_scatter_sequence, ring_attention, shard_positions,
-                              split_sequence, tile_counts, to_layout, ulysses_attention)
-from jaxcomm.planner import Plan, plan
-from jaxcomm.optim import (CompressedAllReduceState, accumulate_gradients, compressed_allreduce,
-                           consensus_distance, data_parallel_step, device_mean, dgc, diloco,
-                           dynamic_loss_scale, fedavg, fedprox, gossip, local_grad, local_sgd,
-                           local_training_step, local_value_and_grad, onebit_adam,
-                           powersgd_allreduce, sharded_init, skip_nonfinite, slowmo, staleness,
-                           state_specs, to_device_local, zero_one_adam)
-from jaxcomm.optim import demo, sparseloco, streaming_diloco
+                     launch, links, optim, parallel, planner)
+from jaxcomm.collectives import level
+from jaxcomm.compress import (Compressor, cast, error_feedback, identity, policy, powersgd,
+                              quantize, randomk, sign, topk)
+from jaxcomm.costmodel import predict
+from jaxcomm.links import link
+from jaxcomm.optim import (compressed_allreduce, demo, dgc, diloco, local_sgd, onebit_adam,
+                           powersgd_allreduce, skip_nonfinite, sparseloco, streaming_diloco,
+                           zero_one_adam)
+from jaxcomm.planner import plan
 from jaxcomm.topology import make_mesh
 from jaxcomm.train import Trainer, TrainState, data_parallel
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Trainer", "TrainState", "data_parallel",
-    "skip_nonfinite",
-    "checkpoint",
-    "onebit_adam",
-    "demo", "sparseloco", "streaming_diloco",
-    "CompressedAllReduceState", "Compressor", "ErrorFeedbackState", "Level", "Link", "Plan",
-    "accounting", "accumulate_gradients", "adaptive_threshold", "cast", "collectives", "compose",
-    "compress", "compressed_allreduce", "consensus_distance", "costmodel", "count_sketch",
-    "data_parallel_step", "dense_attention", "device_mean", "dgc", "diloco", "distributed",
-    "dynamic_loss_scale", "error_feedback", "fedavg", "fedprox", "from_layout", "gather_sequence",
-    "gossip", "hierarchical_allreduce", "hybrid_attention", "identity", "launch", "level", "link",
-    "links", "local_grad", "local_sgd", "local_training_step", "local_value_and_grad",
-    "majority_vote", "make_mesh", "natural", "optim", "parallel", "payload_nbytes", "plan",
-    "policy", "powersgd", "powersgd_allreduce", "predict", "project", "psum_payload", "qsgd",
-    "quantize", "randomk", "reduce_scatter_sequence", "ring_attention", "selective",
-    "shard_positions", "sharded_init", "shared_quantize", "sign", "sign_vote", "slowmo",
-    "split_sequence", "staleness", "state_specs", "step_time", "sum_payloads", "terngrad",
-    "threshold", "tile_counts", "to_device_local", "to_layout", "topk", "ulysses_attention",
-    "zero_one_adam",
+    # the step and the mesh
+    "data_parallel", "Trainer", "TrainState", "make_mesh",
+    # the gradient exchange
+    "compressed_allreduce", "level", "policy",
+    # compressors
+    "Compressor", "identity", "cast", "quantize", "sign", "topk", "randomk", "powersgd",
+    "error_feedback",
+    # low-communication optimizers
+    "dgc", "onebit_adam", "zero_one_adam", "powersgd_allreduce", "local_sgd", "diloco",
+    "streaming_diloco", "sparseloco", "demo", "skip_nonfinite",
+    # planning
+    "plan", "predict", "link",
+    # namespaces
+    "accounting", "checkpoint", "collectives", "compress", "costmodel", "distributed", "launch",
+    "links", "optim", "parallel", "planner",
 ]
+
+#: Names that left the top level in 0.2, and the namespace that holds them now.
+_MOVED = {
+    "ErrorFeedbackState": "compress", "adaptive_threshold": "compress", "compose": "compress",
+    "count_sketch": "compress", "majority_vote": "compress", "natural": "compress",
+    "payload_nbytes": "compress", "psum_payload": "compress", "qsgd": "compress",
+    "selective": "compress", "shared_quantize": "compress", "sign_vote": "compress",
+    "sum_payloads": "compress", "terngrad": "compress", "threshold": "compress",
+    "CompressedAllReduceState": "optim", "accumulate_gradients": "optim",
+    "consensus_distance": "optim", "data_parallel_step": "optim", "device_mean": "optim",
+    "dynamic_loss_scale": "optim", "fedavg": "optim", "fedprox": "optim", "gossip": "optim",
+    "local_grad": "optim", "local_training_step": "optim", "local_value_and_grad": "optim",
+    "sharded_init": "optim", "slowmo": "optim", "staleness": "optim", "state_specs": "optim",
+    "to_device_local": "optim",
+    "Level": "collectives", "hierarchical_allreduce": "collectives",
+    "dense_attention": "parallel", "from_layout": "parallel", "gather_sequence": "parallel",
+    "hybrid_attention": "parallel", "reduce_scatter_sequence": "parallel",
+    "ring_attention": "parallel", "shard_positions": "parallel", "split_sequence": "parallel",
+    "tile_counts": "parallel", "to_layout": "parallel", "ulysses_attention": "parallel",
+    "project": "costmodel", "step_time": "costmodel",
+    "Link": "links",
+    "Plan": "planner",
+}
+
+
+def __getattr__(name: str):
+  """``jaxcomm.qsgd`` and the other moved names still resolve, with a DeprecationWarning."""
+  if name in _MOVED:
+    home = f"jaxcomm.{_MOVED[name]}"
+    warnings.warn(f"jaxcomm.{name} moved to {home}.{name}; the top-level name will be removed",
+                  DeprecationWarning, stacklevel=2)
+    return getattr(importlib.import_module(home), name)
+  raise AttributeError(f"module 'jaxcomm' has no attribute {name!r}")

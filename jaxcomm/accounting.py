@@ -54,6 +54,7 @@ import dataclasses
 import re
 from collections.abc import Callable, Mapping, Sequence
 from itertools import combinations
+from typing import NamedTuple
 
 import jax
 import numpy as np
@@ -76,6 +77,57 @@ _CALLEES = re.compile(r"(?:calls|to_apply|body|condition|called_computations)=\{
 _DTYPE_BYTES = {"pred": 1, "bf16": 2}
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 WARMUP_SCOPE = "jaxcomm_warmup"
+
+
+class Cost(NamedTuple):
+  """What one device pays for a collective: ring steps and bytes sent.
+
+  Attributes:
+    steps: message steps, each paying the link's latency ``alpha``.
+    nbytes: bytes this device sends, each paying the link's ``beta`` (seconds per byte).
+  """
+  steps: int
+  nbytes: float
+
+  def __add__(self, other: Cost) -> Cost:
+    return Cost(self.steps + other.steps, self.nbytes + other.nbytes)
+
+  def seconds(self, link) -> float:
+    """``steps alpha + nbytes beta`` on ``link`` (a :class:`jaxcomm.links.Link`)."""
+    return self.steps * link.alpha + self.nbytes * link.beta
+
+
+NO_COST = Cost(0, 0.0)
+
+
+def ring_cost(kind: str, result_bytes: float, group_size: int) -> Cost:
+  """Steps and bytes per device of one collective over ``n = group_size`` devices whose
+  result holds ``S = result_bytes`` on each device (the table in the module docstring).
+
+  This is the one place the ring factors are written: the HLO accounting, the alpha-beta
+  cost model (:mod:`jaxcomm.costmodel`) and every strategy's ``cost``
+  (:mod:`jaxcomm.collectives.strategies`) call it.
+
+  ==================  ==================  ==========================
+  ``kind``            steps               bytes
+  ==================  ==================  ==========================
+  all-reduce          ``2 (n-1)``         ``2 (n-1)/n * S``
+  all-gather          ``n-1``             ``(n-1)/n * S``
+  all-to-all          ``n-1``             ``(n-1)/n * S``
+  reduce-scatter      ``n-1``             ``(n-1) * S``
+  collective-permute  ``1``               ``S``
+  ==================  ==================  ==========================
+  """
+  n = group_size
+  if kind == "all-reduce":
+    return Cost(2 * (n - 1), 2.0 * (n - 1) / n * result_bytes)
+  if kind in ("all-gather", "all-to-all"):
+    return Cost(n - 1, (n - 1) / n * result_bytes)
+  if kind == "reduce-scatter":
+    return Cost(n - 1, float((n - 1) * result_bytes))
+  if kind == "collective-permute":
+    return Cost(1, float(result_bytes))
+  raise ValueError(f"unknown collective kind {kind!r}; known: {', '.join(COLLECTIVE_KINDS)}.")
 
 
 def warmup(branch: Callable) -> Callable:
@@ -123,20 +175,30 @@ class Collective:
   axis_sizes: tuple[int, ...] = ()
 
   def split(self, slowest_first: Sequence[str]) -> dict[str, float]:
-    """``bytes_per_device`` by the axis whose links carry it (rules: module docstring).
+    """``bytes_per_device`` by the axis whose links carry it (rules: module docstring)."""
+    return {axis: cost.nbytes for axis, cost in self.split_cost(slowest_first).items()}
 
-    An all-to-all over axes of sizes ``n_1`` (slowest) ... ``n_m``, ``n = prod n_i``:
-    axis ``i`` gets ``(n_i - 1) prod_{j>i} n_j / n * S``, which sums to ``(n-1)/n * S``.
-    Any other collective: all of it to its slowest axis.
+  def split_cost(self, slowest_first: Sequence[str]) -> dict[str, Cost]:
+    """Steps and bytes per device by the axis whose links carry them.
+
+    An all-to-all over axes of sizes ``n_1`` (slowest) ... ``n_m``, ``n = prod n_i``: axis
+    ``i`` reaches ``p_i = (n_i - 1) prod_{j>i} n_j`` peers, one step and ``S/n`` bytes each,
+    so it gets ``Cost(p_i, p_i / n * S)``; the ``p_i`` sum to ``n-1`` and the bytes to
+    ``(n-1)/n * S``. Any other collective: its whole :func:`ring_cost` to its slowest axis
+    (a collective-permute's bytes scaled to the share of devices that send).
     """
     order = sorted(self.axes, key=tuple(slowest_first).index)
+    if not order:
+      return {}
     if self.kind != "all-to-all" or len(order) < 2:
-      return {order[0]: self.bytes_per_device} if order else {}
+      steps = ring_cost(self.kind, self.result_bytes, self.group_size).steps
+      return {order[0]: Cost(steps if self.bytes_per_device else 0, self.bytes_per_device)}
     sizes = dict(zip(self.axes, self.axis_sizes))
     split, inner = {}, self.group_size
     for axis in order:
       inner //= sizes[axis]
-      split[axis] = (sizes[axis] - 1) * inner / self.group_size * self.result_bytes
+      peers = (sizes[axis] - 1) * inner
+      split[axis] = Cost(peers, peers / self.group_size * self.result_bytes)
     return split
 
 
@@ -323,17 +385,6 @@ def _axes_of_pairs(pairs: list[tuple[int, int]], mesh: Mesh) -> tuple[str, ...]:
   return tuple(name for i, name in enumerate(mesh.axis_names) if i in differs)
 
 
-def _bytes_per_device(kind: str, result_bytes: int, group_size: int) -> float:
-  n = group_size
-  if kind == "all-reduce":
-    return 2.0 * (n - 1) / n * result_bytes
-  if kind in ("all-gather", "all-to-all"):
-    return (n - 1) / n * result_bytes
-  if kind == "reduce-scatter":
-    return float((n - 1) * result_bytes)
-  raise ValueError(f"unknown collective kind {kind!r}")
-
-
 def _branch_paths(lines: Sequence[str]) -> tuple[dict[str, tuple], dict[str, int]]:
   """The conditional branches each computation runs in, and each conditional's branch count.
 
@@ -399,7 +450,7 @@ def _parse_line(line: str, mesh: Mesh) -> Collective | None:
     return None
   axes = _axes_of_groups(groups, mesh)
   return Collective(kind, axes, group_size, result_bytes,
-                    _bytes_per_device(kind, result_bytes, group_size), dtypes, warmup=warmup,
+                    ring_cost(kind, result_bytes, group_size).nbytes, dtypes, warmup=warmup,
                     axis_sizes=tuple(mesh.shape[axis] for axis in axes))
 
 

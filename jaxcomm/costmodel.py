@@ -38,24 +38,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from jaxcomm.accounting import Collective, CommReport
+from jaxcomm.accounting import NO_COST, Collective, CommReport, Cost, ring_cost
+from jaxcomm.collectives import strategies
+from jaxcomm.compress.base import Compressor
 from jaxcomm.links import Link, link
 
 LinkLike = Link | str
 Shape = tuple[int, ...]
-STRATEGIES = ("gather", "two_phase")
-
-
-class _Cost(NamedTuple):
-  """Ring steps (each pays ``alpha``) and bytes one device sends (each pays ``beta``)."""
-  steps: int
-  nbytes: float
-
-  def __add__(self, other: _Cost) -> _Cost:
-    return _Cost(self.steps + other.steps, self.nbytes + other.nbytes)
-
-  def seconds(self, spec: Link) -> float:
-    return self.steps * spec.alpha + self.nbytes * spec.beta
 
 
 def _as_link(spec: LinkLike) -> Link:
@@ -78,15 +67,14 @@ def _check_devices(name: str, devices: int) -> int:
   return int(devices)
 
 
-def _ring(rounds: int, nbytes: float, devices: int) -> _Cost:
-  """``rounds`` passes around a ring of ``devices``, each moving ``(n-1)/n`` of ``nbytes``."""
-  nbytes, n = _check_nbytes(nbytes), _check_devices("devices", devices)
-  return _Cost(rounds * (n - 1), rounds * (n - 1) / n * nbytes)
+def _cost(kind: str, result_bytes: float, devices: int) -> Cost:
+  """:func:`~jaxcomm.accounting.ring_cost` with its arguments checked."""
+  return ring_cost(kind, _check_nbytes(result_bytes), _check_devices("devices", devices))
 
 
 def all_reduce_time(nbytes: float, devices: int, spec: LinkLike) -> float:
   """Ring all-reduce of ``D = nbytes`` on each device: ``2(n-1) alpha + 2(n-1)/n D beta``."""
-  return _ring(2, nbytes, devices).seconds(_as_link(spec))
+  return _cost("all-reduce", nbytes, devices).seconds(_as_link(spec))
 
 
 def all_gather_time(nbytes: float, devices: int, spec: LinkLike) -> float:
@@ -95,7 +83,7 @@ def all_gather_time(nbytes: float, devices: int, spec: LinkLike) -> float:
   Each device contributes a ``D/n`` shard, so with ``c``-byte payloads ``D = n c`` and the
   time is ``(n-1) alpha + (n-1) c beta``.
   """
-  return _ring(1, nbytes, devices).seconds(_as_link(spec))
+  return _cost("all-gather", nbytes, devices).seconds(_as_link(spec))
 
 
 def reduce_scatter_time(nbytes: float, devices: int, spec: LinkLike) -> float:
@@ -103,7 +91,8 @@ def reduce_scatter_time(nbytes: float, devices: int, spec: LinkLike) -> float:
 
   Time ``(n-1) alpha + (n-1)/n D beta``; ``D`` is the full input, ``n`` times the result.
   """
-  return _ring(1, nbytes, devices).seconds(_as_link(spec))
+  devices = _check_devices("devices", devices)
+  return _cost("reduce-scatter", nbytes / devices, devices).seconds(_as_link(spec))
 
 
 def all_to_all_time(nbytes: float, devices: int, spec: LinkLike) -> float:
@@ -111,26 +100,19 @@ def all_to_all_time(nbytes: float, devices: int, spec: LinkLike) -> float:
 
   Each device keeps one of its ``n`` chunks and sends the other ``n-1``, one per step.
   """
-  return _ring(1, nbytes, devices).seconds(_as_link(spec))
+  return _cost("all-to-all", nbytes, devices).seconds(_as_link(spec))
 
 
 def ppermute_time(nbytes: float, spec: LinkLike) -> float:
   """One ``ppermute`` (collective-permute) step sending ``D = nbytes``: ``alpha + D beta``."""
-  return _Cost(1, _check_nbytes(nbytes)).seconds(_as_link(spec))
+  return _cost("collective-permute", nbytes, 2).seconds(_as_link(spec))
 
 
-def _collective_cost(op: Collective) -> _Cost:
-  n, size = op.group_size, op.result_bytes
-  if op.kind == "all-reduce":
-    return _ring(2, size, n)
-  if op.kind in ("all-gather", "all-to-all"):
-    return _ring(1, size, n)
-  if op.kind == "reduce-scatter":
-    return _ring(1, n * size, n)
-  if op.kind == "collective-permute":
-    # Time is set by a device that sends: its whole result. None sends: nothing to wait for.
-    return _Cost(1, float(size)) if op.bytes_per_device > 0 else _Cost(0, 0.0)
-  raise ValueError(f"unknown collective kind {op.kind!r}.")
+def _collective_cost(op: Collective) -> Cost:
+  if op.kind == "collective-permute" and op.bytes_per_device == 0:
+    return NO_COST  # no device sends: nothing to wait for.
+  # A permute's time is set by a device that sends: its whole result.
+  return ring_cost(op.kind, op.result_bytes, op.group_size)
 
 
 def collective_time(collective: Collective, spec: LinkLike) -> float:
@@ -190,17 +172,35 @@ def _check_links(report: CommReport, links: Mapping[str, LinkLike]) -> dict[str,
   return {axis: _as_link(spec) for axis, spec in links.items()}
 
 
+def _charge(op: Collective, links: Mapping[str, Link], order: Sequence[str]) -> dict[str, float]:
+  """Seconds of one execution of ``op`` charged to each of its axes.
+
+  An all-to-all over several axes sends each peer its block over the slowest axis on which
+  the peer differs (:meth:`~jaxcomm.accounting.Collective.split_cost`, the split
+  ``CommReport.link_bytes`` uses): each axis is charged its own peers and bytes on its own link,
+  one step after another. Any other collective over several axes is one ring whose every step
+  waits for the slowest hop: timed on, and charged to, the link on which it takes longest.
+  """
+  if op.kind == "all-to-all" and len(op.axes) > 1:
+    return {axis: cost.seconds(links[axis]) for axis, cost in op.split_cost(order).items()}
+  on_each = {axis: collective_time(op, links[axis]) for axis in op.axes}
+  slowest = max(sorted(op.axes, key=list(order).index), key=on_each.__getitem__)
+  return {slowest: on_each[slowest]}
+
+
 def predict(report: CommReport, links: Mapping[str, LinkLike],
             branch_weights: Mapping[str, Sequence[float]] | None = None) -> CommTime:
   """Modeled communication seconds per call of a compiled function, per mesh axis.
 
   Each collective of ``report`` is timed with :func:`collective_time` on the link of the
-  axis it spans. A collective over several axes (e.g. a flat ``psum`` over
+  axis it spans. A ring collective over several axes (e.g. a flat ``psum`` over
   ``('host', 'local')``) is one ring over all ``n`` devices: every step moves a chunk across
   each kind of hop at once and waits for the slowest, so it is timed on, and charged to, the
   link among its axes on which it takes longest. When lower bandwidth comes with higher
   latency (all the presets) that is the first axis of :func:`slowest_first`, the axis
-  ``CommReport.link_bytes(slowest_first(links))`` charges its bytes to.
+  ``CommReport.link_bytes(slowest_first(links))`` charges its bytes to. An all-to-all over
+  several axes is split over them as ``link_bytes`` splits its bytes: each axis pays, on its own
+  link, the steps and bytes to the peers it reaches.
 
   Args:
     report: from :func:`jaxcomm.accounting.measure`.
@@ -230,10 +230,10 @@ def predict(report: CommReport, links: Mapping[str, LinkLike],
     if not op.axes:  # a permute whose every pair is a self-pair crosses no link.
       per_collective.append(0.0)
       continue
-    on_each = {axis: weight * collective_time(op, resolved[axis]) for axis in op.axes}
-    slowest = max(sorted(op.axes, key=order.index), key=on_each.__getitem__)
-    per_axis[slowest] += on_each[slowest]
-    per_collective.append(on_each[slowest])
+    charged = _charge(op, resolved, order)
+    for axis, seconds in charged.items():
+      per_axis[axis] += weight * seconds
+    per_collective.append(weight * math.fsum(charged.values()))
   return CommTime(per_axis, math.fsum(per_collective), tuple(per_collective))
 
 
@@ -350,19 +350,29 @@ class Projection(NamedTuple):
 WireBytesFn = Callable[[Shape, Any], int]
 
 
-def _slow_cost(shard_len: int, hosts: int, itemsize: int, wire_bytes: WireBytesFn | None,
-               strategy: str, dtype: np.dtype) -> _Cost:
+class _WireBytes(NamedTuple):
+  """A payload-size function where a strategy's ``cost`` reads ``compressor.wire_bytes``."""
+  wire_bytes: WireBytesFn
+
+
+def _slow_strategy(wire_bytes: Compressor | WireBytesFn | None, strategy, hosts: int):
+  """``(strategy value, compressor)`` of the slow axis: dense without ``wire_bytes``."""
+  strategy = strategies.as_strategy(strategy)
   if wire_bytes is None:
-    return _ring(2, shard_len * itemsize, hosts)
-  if strategy == "gather":
-    return _ring(1, hosts * wire_bytes((shard_len,), dtype), hosts)
-  chunk_bytes = wire_bytes((-(-shard_len // hosts),), dtype)
-  return _ring(1, hosts * chunk_bytes, hosts) + _ring(1, hosts * chunk_bytes, hosts)
+    return strategies.Dense(), None
+  if isinstance(wire_bytes, Compressor):
+    return strategies.check_strategy(strategies.resolve(strategy, wire_bytes, hosts),
+                                     wire_bytes), wire_bytes
+  if not isinstance(strategy, (strategies.Gather, strategies.TwoPhase)):
+    raise ValueError(f"strategy must be 'gather' or 'two_phase' with a wire_bytes function; "
+                     f"got {strategy!r} (pass the Compressor itself for 'linear' or None).")
+  return strategy, _WireBytes(wire_bytes)
 
 
 def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike,
-            slow_link: LinkLike, wire_bytes: WireBytesFn | None = None, *,
-            strategy: str = "gather", dtype: Any = np.float32) -> Projection:
+            slow_link: LinkLike, wire_bytes: Compressor | WireBytesFn | None = None, *,
+            strategy: str | strategies.Strategy | None = "gather",
+            dtype: Any = np.float32) -> Projection:
   """Models one step of the hierarchical allreduce of a model's gradients, without compiling.
 
   For each gradient leaf of ``d`` elements, on ``H = hosts`` hosts of ``G = local`` devices,
@@ -370,12 +380,15 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
 
   * fast link: reduce-scatter and all-gather of the ``G s b`` padded leaf, each
     ``(G-1) alpha_f + (G-1) s b beta_f``;
-  * slow link, by ``wire_bytes`` and ``strategy``:
+  * slow link, by ``wire_bytes`` and ``strategy`` (each strategy value's ``cost``,
+    :mod:`jaxcomm.collectives.strategies`, the formulas the tests check against compiled HLO):
 
-    - ``wire_bytes=None`` (full precision): all-reduce of the shard,
+    - ``wire_bytes=None`` (full precision): reduce-scatter and all-gather of the shard,
       ``2(H-1) alpha_s + 2(H-1)/H s b beta_s``;
+    - ``'linear'`` (a :class:`~jaxcomm.Compressor` with linear payloads): all-reduce of the
+      summed payload ``c``, ``2(H-1) alpha_s + 2(H-1)/H c beta_s``;
     - ``'gather'``: all-gather of each device's ``c = wire_bytes((s,))`` payload,
-      ``(H-1) alpha_s + (H-1) c beta_s`` (what :func:`jaxcomm.hierarchical_allreduce` runs);
+      ``(H-1) alpha_s + (H-1) c beta_s`` (what :func:`jaxcomm.collectives.hierarchical_allreduce` runs);
     - ``'two_phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
       ``c_H = wire_bytes((ceil(s/H),))`` bytes each; all-to-all then all-gather of the
       re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
@@ -390,10 +403,13 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
     local: ``G``, devices per host on the fast axis.
     fast_link: the fast axis's link (a :class:`~jaxcomm.links.Link` or a preset name).
     slow_link: the slow axis's link.
-    wire_bytes: payload bytes of the slow-axis compressor, ``wire_bytes(shape, dtype)``, e.g.
-      ``jaxcomm.topk(0.01).wire_bytes``; ``None`` for full precision.
-    strategy: ``'gather'`` or ``'two_phase'``: how compressed payloads cross the slow axis
-      (full precision always uses the all-reduce).
+    wire_bytes: the slow-axis compressor (a :class:`~jaxcomm.Compressor`), or only its payload
+      bytes ``wire_bytes(shape, dtype)``, e.g. ``jaxcomm.topk(0.01).wire_bytes``; ``None`` for
+      full precision.
+    strategy: how compressed payloads cross the slow axis: a strategy value or name
+      (``'gather'``, ``'two_phase'``; ``'linear'`` or ``None``, the choice
+      :func:`jaxcomm.compressed_allreduce` makes, need a Compressor). Full precision is always
+      dense.
     dtype: gradient dtype; sets ``b`` for the full-precision phases.
 
   Returns:
@@ -405,14 +421,12 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
   """
   hosts, local = _check_devices("hosts", hosts), _check_devices("local", local)
   fast_link, slow_link = _as_link(fast_link), _as_link(slow_link)
-  if strategy not in STRATEGIES:
-    raise ValueError(f"unknown strategy {strategy!r}; choose from {', '.join(STRATEGIES)}.")
+  slow_strategy, compressor = _slow_strategy(wire_bytes, strategy, hosts)
   dtype = np.dtype(dtype)
-  fast, slow = _Cost(0, 0.0), _Cost(0, 0.0)
+  fast, slow = NO_COST, NO_COST
   for shape in shapes:
     shard_len = -(-math.prod(shape) // local)
-    padded_bytes = local * shard_len * dtype.itemsize
-    fast = fast + _ring(1, padded_bytes, local) + _ring(1, padded_bytes, local)
-    slow = slow + _slow_cost(shard_len, hosts, dtype.itemsize, wire_bytes, strategy, dtype)
+    fast = fast + strategies.Dense().cost(None, local * shard_len, local, dtype)
+    slow = slow + slow_strategy.cost(compressor, shard_len, hosts, dtype)
   return Projection(fast.nbytes, slow.nbytes, fast.steps, slow.steps, fast.seconds(fast_link),
                     slow.seconds(slow_link))

@@ -18,9 +18,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm import costmodel
-from jaxcomm.collectives.strategies import choose_strategy
-from jaxcomm.compress.base import Compressor, check_float
+from jaxcomm.collectives.strategies import resolve
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_float
 from jaxcomm.compress.policy import CompressionPolicy, path_string, policy
 from jaxcomm.compress.quantize import quantize
 from jaxcomm.compress.sign import sign
@@ -87,22 +87,12 @@ class Plan(NamedTuple):
 
 
 def _slow_cost(compressor: Compressor | None, shard: int, hosts: int, slow: Link,
-               dtype) -> tuple[float, float]:
-  """Modeled (bytes per device, seconds) of one shard's exchange over the slow axis."""
-  strategy = choose_strategy(None, compressor, hosts)
-  if strategy == "dense":
-    nbytes = shard * np.dtype(dtype).itemsize
-    return 2 * (hosts - 1) / hosts * nbytes, costmodel.all_reduce_time(nbytes, hosts, slow)
-  if strategy == "linear":
-    nbytes = compressor.wire_bytes((shard,), dtype)
-    return 2 * (hosts - 1) / hosts * nbytes, costmodel.all_reduce_time(nbytes, hosts, slow)
-  if strategy == "gather":
-    nbytes = compressor.wire_bytes((shard,), dtype)
-    return (hosts - 1) * nbytes, costmodel.all_gather_time(hosts * nbytes, hosts, slow)
-  chunk = compressor.wire_bytes((-(-shard // hosts),), dtype)
-  return (2 * (hosts - 1) * chunk,
-          costmodel.all_to_all_time(hosts * chunk, hosts, slow)
-          + costmodel.all_gather_time(hosts * chunk, hosts, slow))
+               dtype) -> tuple[str, float, float]:
+  """Strategy name and modeled (bytes per device, seconds) of one shard's exchange over the
+  slow axis: the strategy ``compressed_allreduce`` resolves, asked for its ``cost``."""
+  strategy = resolve(None, compressor, hosts)
+  cost = strategy.cost(compressor, shard, hosts, dtype)
+  return strategy.name, cost.nbytes, cost.seconds(slow)
 
 
 def _relative_error(compressor: Compressor, leaf: jax.Array, key: jax.Array) -> float:
@@ -147,7 +137,7 @@ def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
     raise ValueError(f"max_error must be in [0, 1], got {max_error}.")
   slow = link(slow_link) if isinstance(slow_link, str) else slow_link
   if not isinstance(slow, Link):
-    raise TypeError(f"slow_link must be a jaxcomm.Link or a preset name, got {slow_link!r}.")
+    raise TypeError(f"slow_link must be a jaxcomm.links.Link or a preset name, got {slow_link!r}.")
   candidates = default_candidates() if candidates is None else tuple(candidates)
   for candidate in candidates:
     if not isinstance(candidate, Compressor):
@@ -156,17 +146,17 @@ def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
   decisions, rules, dense_seconds = [], [], 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
     name, shard = path_string(path), -(-int(np.prod(leaf.shape)) // local)
-    dense_bytes, dense_time = _slow_cost(None, shard, hosts, slow, leaf.dtype)
-    dense_seconds += dense_time
-    best = LeafPlan(name, tuple(leaf.shape), None, "dense", dense_bytes, dense_time, 0.0)
+    dense = LeafPlan(name, tuple(leaf.shape), None,
+                     *_slow_cost(None, shard, hosts, slow, leaf.dtype), 0.0)
+    dense_seconds += dense.slow_seconds
+    best = dense
     for candidate in candidates:
-      nbytes, seconds = _slow_cost(candidate, shard, hosts, slow, leaf.dtype)
+      strategy, nbytes, seconds = _slow_cost(candidate, shard, hosts, slow, leaf.dtype)
       if seconds >= best.slow_seconds:
         continue
       error = _relative_error(candidate, leaf, key)
       if error <= max_error:
-        best = LeafPlan(name, tuple(leaf.shape), candidate, choose_strategy(None, candidate, hosts),
-                        nbytes, seconds, error)
+        best = LeafPlan(name, tuple(leaf.shape), candidate, strategy, nbytes, seconds, error)
     decisions.append(best)
     rules.append((f"^{re.escape(name)}$", best.compressor))
   chooser = policy(None, rules=rules, min_bytes=0, full_precision=())

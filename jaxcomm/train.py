@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcomm.compress.base import check_float_tree
+from jaxcomm.validation import check_float_tree
 from jaxcomm.distributed import StepWatchdog
 from jaxcomm.optim import hsdp
 from jaxcomm.optim.sharding import sharded_init, state_specs

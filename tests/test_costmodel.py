@@ -246,7 +246,7 @@ def test_grouped_query_attention_shrinks_key_and_value():
 
 @pytest.mark.parametrize("call, message", [
     (lambda: costmodel.project([(8,)], 2, 4, FAST, SLOW, strategy="ring"),
-     "unknown strategy 'ring'; choose from gather, two_phase"),
+     "strategy must be one of dense, linear, gather, two_phase, a strategy value"),
     (lambda: costmodel.project([(8,)], 0, 4, FAST, SLOW), "hosts must be an int >= 1, got 0"),
     (lambda: costmodel.project([(8,)], 2, 4, "nvlink5", SLOW), "unknown link 'nvlink5'"),
     (lambda: costmodel.transformer_gradient_shapes("gpt-5"),

@@ -31,12 +31,12 @@ def test_step_equals_the_raw_shard_map_step_bit_for_bit():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params, loss_fn, batch = _problem()
   tx = _tx()
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
   @jax.shard_map(mesh=mesh, in_specs=(P(), specs, P(AXES)), out_specs=(P(), specs, P()))
   def raw_step(params, opt_state, batch):
-    loss, grads = jaxcomm.local_value_and_grad(loss_fn)(params, batch)
+    loss, grads = jaxcomm.optim.local_value_and_grad(loss_fn)(params, batch)
     updates, opt_state = tx.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, jax.lax.pmean(loss, AXES)
 

@@ -22,7 +22,7 @@ def update_fn(tx, params, mesh, *, every_device=False):
   result, stacked along a leading device axis (to check that all devices agree).
   """
   axes = tuple(mesh.axis_names)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(axes), specs),
@@ -39,7 +39,7 @@ def apply_fn(tx, params, mesh, params_spec=P()):
   ``mesh``: ``tx.update`` with ``params``, then ``optax.apply_updates``. ``params_spec`` is
   ``P()`` for replicated parameters or ``P(mesh.axis_names)`` for device-local ones."""
   axes = tuple(mesh.axis_names)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh, params_spec)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, params_spec)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(params_spec, specs, P(axes)),

@@ -94,7 +94,7 @@ def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, 
   shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
   return {name: [1e3 * REGISTRY[name].project(
       setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL, figures.FAST_LINK,
-      jaxcomm.Link("sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
+      jaxcomm.links.Link("sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
       for bandwidth in plots.BANDWIDTHS]
           for name in methods if REGISTRY[name].project is not None}
 

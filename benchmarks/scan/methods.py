@@ -5,7 +5,7 @@ optimizer (an ``optax.GradientTransformation`` whose first element communicates;
 such as 1-bit Adam that replace the optimizer return their own chain) and, where the cost
 model can describe it, ``project(setting, shapes, hosts, local, fast, slow)`` returning the
 modeled communication of one step of a large model (see :mod:`benchmarks.scan.projection`).
-``make_step`` builds the train step; every method here uses :func:`jaxcomm.data_parallel_step`
+``make_step`` builds the train step; every method here uses :func:`jaxcomm.optim.data_parallel_step`
 (replicated parameters, batch split over the devices). A method whose parameters differ per
 device (gossip, local SGD between syncs) supplies its own.
 
@@ -87,7 +87,7 @@ class Method(NamedTuple):
   summary: str
   build: Callable[[Setting], optax.GradientTransformation]
   project: Callable[..., projection.Comm] | None
-  make_step: Callable = jaxcomm.data_parallel_step
+  make_step: Callable = jaxcomm.optim.data_parallel_step
   device_local: bool = False
   comm_every: int = 1
   branch_fractions: Callable[[Setting, Any], Sequence[float]] | None = None
@@ -144,7 +144,7 @@ def _sketch(setting: Setting):
   # parameter space diverges with a count sketch (its error is not contractive: measured);
   # FetchSGD keeps momentum and error inside the sketch, which jaxcomm does not offer.
   width = max(1, math.ceil(setting.sketch_fraction * setting.shard_elements))
-  return jaxcomm.count_sketch(width, 1, seed=setting.seed)
+  return jaxcomm.compress.count_sketch(width, 1, seed=setting.seed)
 
 
 def _sketch_project(setting, shapes, hosts, local, fast, slow):
@@ -182,7 +182,7 @@ def _periodic(name: str, summary: str, make: Callable, period: int, *,
 
   return Method(name, summary,
                 lambda setting: make(setting, jaxcomm.compressed_allreduce(compressor)),
-                project, make_step=jaxcomm.local_training_step, device_local=True,
+                project, make_step=jaxcomm.optim.local_training_step, device_local=True,
                 comm_every=period)
 
 
@@ -214,22 +214,22 @@ def _device_local_methods(period: int) -> list[Method]:
                                                mixing=0.5), h),
       _periodic(f"slowmo-h{h}", f"SlowMo: {h} local AdamW steps per device, then a slow "
                 "momentum step (beta 0.5, alpha 1) on the averaged pseudo-gradient (fp32 sync)",
-                lambda s, sync: jaxcomm.slowmo(adamw(s), h, s.lr, sync=sync), h),
+                lambda s, sync: jaxcomm.optim.slowmo(adamw(s), h, s.lr, sync=sync), h),
       _periodic(f"fedavg-h{h}", f"FedAvg: every device a client, {h} local AdamW steps per "
                 "round, 3/4 of the clients drawn per round and averaged by sample count "
                 "(unsampled clients send zeros: the bytes of local SGD)",
-                lambda s, sync: jaxcomm.fedavg(adamw(s), h, sync=sync, **fed(s)), h),
+                lambda s, sync: jaxcomm.optim.fedavg(adamw(s), h, sync=sync, **fed(s)), h),
       _periodic(f"fedprox-h{h}", f"FedProx: fedavg-h{h} plus the proximal term, mu 0.01",
-                lambda s, sync: jaxcomm.fedprox(adamw(s), h, 0.01, sync=sync, **fed(s)), h),
+                lambda s, sync: jaxcomm.optim.fedprox(adamw(s), h, 0.01, sync=sync, **fed(s)), h),
       Method("gossip-ring", "decentralized AdamW: a local step, then averaging with the two "
              "ring neighbours by ppermute (no allreduce)",
-             lambda s: jaxcomm.gossip(adamw(s), "ring"), None,
-             make_step=jaxcomm.local_training_step, device_local=True),
+             lambda s: jaxcomm.optim.gossip(adamw(s), "ring"), None,
+             make_step=jaxcomm.optim.local_training_step, device_local=True),
       Method("choco-sign-ring", "CHOCO-SGD: gossip-ring whose neighbours exchange the 1-bit "
              "scaled sign of x - x_hat (consensus step 0.5)",
-             lambda s: jaxcomm.gossip(adamw(s), "ring", compressor=jaxcomm.sign(),
+             lambda s: jaxcomm.optim.gossip(adamw(s), "ring", compressor=jaxcomm.sign(),
                                       consensus_step=0.5), None,
-             make_step=jaxcomm.local_training_step, device_local=True),
+             make_step=jaxcomm.optim.local_training_step, device_local=True),
   ]
 
 
@@ -245,14 +245,14 @@ def _data_parallel_schemes(k: int, tau: int) -> list[Method]:
 
   return [
       Method(f"accumulate-k{k}", f"gradient accumulation: {k} micro-steps summed locally, then "
-             "one fp32-hier allreduce and one AdamW step (jaxcomm.accumulate_gradients)",
-             lambda s: jaxcomm.accumulate_gradients(
+             "one fp32-hier allreduce and one AdamW step (jaxcomm.optim.accumulate_gradients)",
+             lambda s: jaxcomm.optim.accumulate_gradients(
                  _adamw(jaxcomm.compressed_allreduce(), s), k),
              hierarchical_per(k), comm_every=k),
       Method(f"stale-t{tau}-dcasgd", f"simulated asynchronous training: fp32-hier gradients "
              f"applied {tau} steps late with DC-ASGD compensation (lambda 0.1), then AdamW",
              lambda s: optax.chain(jaxcomm.compressed_allreduce(),
-                                   jaxcomm.staleness(tau, compensation=0.1),
+                                   jaxcomm.optim.staleness(tau, compensation=0.1),
                                    optax.adamw(s.lr)),
              hierarchical_per(1)),
   ]
@@ -291,7 +291,7 @@ def _zero_one_adam() -> Method:
   return Method("zero-one-adam", "0/1 Adam: variance updated on a thinning step set (dense) with "
                 "1-bit gradients between, frozen after 1/4 of the run; then local Adam steps "
                 f"and 1-bit syncs at gaps doubling up to {clipper}; projected at that gap",
-                build, project, make_step=jaxcomm.local_training_step, device_local=True,
+                build, project, make_step=jaxcomm.optim.local_training_step, device_local=True,
                 branch_fractions=lambda setting, state: zero_one_branch_fractions(state))
 
 
@@ -309,9 +309,9 @@ def _entries() -> list[Method]:
       _compressed("int8", "8-bit stochastic quantization across hosts (unbiased, no error "
                   "feedback)", lambda s: jaxcomm.quantize(8)),
       _compressed("qsgd", "QSGD with 16 levels across hosts (unbiased, no error feedback)",
-                  lambda s: jaxcomm.qsgd(16)),
+                  lambda s: jaxcomm.compress.qsgd(16)),
       _compressed("terngrad", "TernGrad, 2 bits per element across hosts (unbiased, no error "
-                  "feedback)", lambda s: jaxcomm.terngrad()),
+                  "feedback)", lambda s: jaxcomm.compress.terngrad()),
       _compressed("sign-ef", "scaled 1-bit sign across hosts, error feedback, all-gather",
                   lambda s: jaxcomm.sign(), strategy="gather", feedback=True),
       _compressed("sign-ef-2p", "scaled 1-bit sign, error feedback, two-phase (all-to-all, "
@@ -422,7 +422,7 @@ def _sota_methods(period: int) -> list[Method]:
         f"fragment, 2 fragments in turn, merged 1 step later (mixing 0.5), outer gradients "
         f"quantized to {bits} bits across hosts (stochastic, a scale per 1024, gathered)",
         lambda s, bits=bits: jaxcomm.streaming_diloco(optax.adamw(s.lr), h, bits=bits),
-        project, make_step=jaxcomm.local_training_step, device_local=True, comm_every=h))
+        project, make_step=jaxcomm.optim.local_training_step, device_local=True, comm_every=h))
   return [
       Method("demo", "DeMo: fp32 gradient mean inside the host, host momentum (beta 0.999), "
              "top-32 DCT coefficients of each 64x64 block all-gathered across hosts, signum "
@@ -434,7 +434,7 @@ def _sota_methods(period: int) -> list[Method]:
              lambda s: jaxcomm.sparseloco(optax.adamw(s.lr), h, density=density,
                                           bits=sparse_bits, chunk=sparse_chunk),
              _sparseloco_project(h, density, sparse_bits, sparse_chunk),
-             make_step=jaxcomm.local_training_step, device_local=True, comm_every=h),
+             make_step=jaxcomm.optim.local_training_step, device_local=True, comm_every=h),
   ] + streaming
 
 

@@ -11,11 +11,8 @@ import math
 from collections.abc import Iterable
 from typing import NamedTuple
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-
 from jaxcomm import costmodel
+from jaxcomm.accounting import ring_cost
 from jaxcomm.compress.powersgd import compression_rate, matrix_shape
 
 Shape = tuple[int, ...]
@@ -34,11 +31,6 @@ class Comm(NamedTuple):
   seconds: float
 
 
-def _ring_bytes(nbytes: float, devices: int) -> float:
-  """Bytes one device sends in a ring all-reduce of ``nbytes``: ``2(n-1)/n D``."""
-  return 2 * (devices - 1) / devices * nbytes
-
-
 def flat_fp32(shapes: Iterable[Shape], hosts: int, local: int, fast, slow) -> Comm:
   """A plain fp32 ``pmean`` over all ``H G`` devices: one ring per leaf, on the slow link.
 
@@ -46,44 +38,22 @@ def flat_fp32(shapes: Iterable[Shape], hosts: int, local: int, fast, slow) -> Co
   """
   devices = hosts * local
   on = slow if hosts > 1 else fast
-  sizes = [4 * math.prod(shape) for shape in shapes]
-  nbytes = sum(_ring_bytes(size, devices) for size in sizes)
-  seconds = math.fsum(costmodel.all_reduce_time(size, devices, on) for size in sizes)
+  shapes = list(shapes)
+  nbytes = sum(ring_cost("all-reduce", 4 * math.prod(shape), devices).nbytes for shape in shapes)
+  seconds = math.fsum(costmodel.all_reduce_time(4 * math.prod(shape), devices, on)
+                      for shape in shapes)
   return Comm(nbytes if hosts > 1 else 0.0, 0.0 if hosts > 1 else nbytes, seconds)
-
-
-def _strategy(compressor, strategy: str | None, hosts: int) -> str:
-  """The strategy :func:`jaxcomm.compressed_allreduce` would run (its automatic choice)."""
-  if strategy is not None:
-    return strategy
-  if compressor.linear:
-    return "linear"
-  stateless = not jax.tree.leaves(compressor.init((8,), jnp.float32))
-  return "two_phase" if hosts > 2 and stateless else "gather"
 
 
 def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, compressor,
                  strategy: str | None) -> Comm:
-  """Dense reduce-scatter / all-gather inside hosts, ``compressor`` across them.
-
-  ``gather`` and ``two_phase`` are :func:`jaxcomm.costmodel.project`; ``linear`` (a ``psum``
-  of each device's ``c``-byte payload) costs a ring all-reduce of ``c`` on the slow link.
-  """
-  shapes = list(shapes)
-  if compressor is None:
-    dense = costmodel.project(shapes, hosts, local, fast, slow)
-    return Comm(dense.slow_bytes, dense.fast_bytes, dense.total_seconds)
-  resolved = _strategy(compressor, strategy, hosts)
-  if resolved != "linear":
-    result = costmodel.project(shapes, hosts, local, fast, slow, compressor.wire_bytes,
-                               strategy=resolved)
-    return Comm(result.slow_bytes, result.fast_bytes, result.total_seconds)
-  dense = costmodel.project(shapes, hosts, local, fast, slow)
-  payloads = [compressor.wire_bytes((-(-math.prod(shape) // local),), np.float32)
-              for shape in shapes]
-  return Comm(sum(_ring_bytes(c, hosts) for c in payloads), dense.fast_bytes,
-              dense.fast_seconds + math.fsum(costmodel.all_reduce_time(c, hosts, slow)
-                                             for c in payloads))
+  """Dense reduce-scatter / all-gather inside hosts, ``compressor`` across them:
+  :func:`jaxcomm.costmodel.project`, whose slow axis runs the strategy
+  :func:`jaxcomm.compressed_allreduce` resolves (``strategy=None``: its automatic choice)
+  and is costed by that strategy's ``cost``."""
+  result = costmodel.project(list(shapes), hosts, local, fast, slow, compressor,
+                             strategy=strategy)
+  return Comm(result.slow_bytes, result.fast_bytes, result.total_seconds)
 
 
 def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: int,
@@ -97,7 +67,7 @@ def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: 
   messages = []
   for shape in shapes:
     size = 4 * math.prod(shape)
-    fast_bytes += _ring_bytes(size, local)
+    fast_bytes += ring_cost("all-reduce", size, local).nbytes
     seconds += costmodel.all_reduce_time(size, local, fast)
     if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
       matrix = matrix_shape(tuple(shape))
@@ -106,6 +76,6 @@ def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: 
       messages.append(size)
   for (rows, cols), count in stacked.items():
     messages += [4 * rank * rows * count, 4 * rank * cols * count]
-  slow_bytes = sum(_ring_bytes(m, hosts) for m in messages)
+  slow_bytes = sum(ring_cost("all-reduce", m, hosts).nbytes for m in messages)
   seconds += math.fsum(costmodel.all_reduce_time(m, hosts, slow) for m in messages)
   return Comm(slow_bytes, fast_bytes, seconds)

@@ -35,12 +35,12 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
   """
   tx = method.build(setting)
   if method.device_local:
-    params = jaxcomm.to_device_local(task.params, mesh)
-    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh,
+    params = jaxcomm.optim.to_device_local(task.params, mesh)
+    opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh,
                                             PartitionSpec(tuple(mesh.axis_names)))
   else:
     params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
-    opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   batch_at = lambda index: jax.device_put(task.batch(index), sharding)  # noqa: E731
   # Compile once: the bytes are read from the very executable that is timed.
@@ -58,7 +58,7 @@ def run(task: Task, method: Method, mesh, setting: Setting, steps: int, timed_st
   branch_weights = _branch_weights(method, setting, report, opt_state)
   link = report.link_bytes(("host", "local"), branch_weights)
   if method.device_local:
-    params = jaxcomm.device_mean(params, mesh)
+    params = jaxcomm.optim.device_mean(params, mesh)
   held_out = float(jax.jit(task.loss_fn)(params, task.held_out))
   return {
       "comm_every": method.comm_every,

@@ -44,7 +44,7 @@ def require_varying(tree, axes: Sequence[str], caller: str) -> None:
         f"{caller}: gradient leaf {path or '<root>'} is not varying "
         f"over mesh axis {axis!r}: it was already reduced over it, which is what "
         "jax.grad does to gradients of replicated parameters inside shard_map. Take "
-        "per-device gradients with jaxcomm.local_grad(loss_fn)(params, batch) (or "
+        "per-device gradients with jaxcomm.optim.local_grad(loss_fn)(params, batch) (or "
         f"differentiate jax.lax.pcast(params, {tuple(axes)!r}, to='varying')).")
 
 

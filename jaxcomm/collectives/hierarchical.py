@@ -18,16 +18,17 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from jaxcomm.accounting import NO_COST, Cost
 from jaxcomm.collectives import strategies
 from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.base import Compressor, check_dtype, check_float_input
-from jaxcomm.compress.error_feedback import error_feedback
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_dtype, check_float_input
 
 DENSE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 
@@ -39,7 +40,9 @@ class Level(NamedTuple):
     axis: the mesh axis name.
     compressor: ``None`` for full precision (the level is reduce-scattered), else the
       compressor of the data crossing this axis.
-    strategy: ``None`` (automatic) or a name from :data:`strategies.STRATEGIES`.
+    strategy: ``None`` (automatic) or a strategy value (:class:`~jaxcomm.collectives.Dense`,
+      ``Linear``, ``Gather``, ``TwoPhase``); :func:`level` also takes a name from
+      :data:`strategies.STRATEGIES`.
     feedback: keep error-feedback residuals for this level's compressor.
     dtype: for a dense level, the dtype the data is summed in (``None``: as given).
     gather: how the gather and two-phase strategies all-gather payloads: ``'all_gather'``,
@@ -48,13 +51,14 @@ class Level(NamedTuple):
   """
   axis: str
   compressor: Compressor | None = None
-  strategy: str | None = None
+  strategy: strategies.Strategy | None = None
   feedback: bool = True
   dtype: Any = None
   gather: str | None = None
 
 
-def level(axis: str, compressor: Compressor | None = None, *, strategy: str | None = None,
+def level(axis: str, compressor: Compressor | None = None, *,
+          strategy: str | strategies.Strategy | None = None,
           feedback: bool = True, dtype: Any = None, gather: str | None = None) -> Level:
   """Builds a validated :class:`Level` (errors name the parameter and the allowed values)."""
   if not isinstance(axis, str) or not axis:
@@ -72,7 +76,7 @@ def level(axis: str, compressor: Compressor | None = None, *, strategy: str | No
   if gather is not None and gather not in strategies.GATHERS:
     raise ValueError(f"gather must be one of {', '.join(strategies.GATHERS)} or None; got "
                      f"{gather!r}.")
-  strategies.check_strategy(strategy, compressor)
+  strategy = strategies.check_strategy(strategy, compressor)
   return Level(axis, compressor, strategy, feedback, dtype, gather)
 
 
@@ -85,7 +89,7 @@ def check_levels(levels: Sequence[Level]) -> tuple[Level, ...]:
   axes = [lv.axis for lv in levels]
   if len(set(axes)) != len(axes):
     raise ValueError(f"levels must name distinct mesh axes, got {axes}.")
-  return levels
+  return tuple(lv._replace(strategy=strategies.as_strategy(lv.strategy)) for lv in levels)
 
 
 _PRESCATTERED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
@@ -124,28 +128,34 @@ def _done(lv: Level) -> bool:
   return True
 
 
-def _resolved(lv: Level) -> str:
-  return strategies.choose_strategy(lv.strategy, lv.compressor, jax.lax.axis_size(lv.axis))
+def resolve_level(lv: Level, axis_size: int) -> strategies.Strategy:
+  """The strategy value level ``lv`` runs on an axis of ``axis_size`` devices, with the
+  level's dense ``dtype`` and ``gather`` implementation folded in."""
+  strategy = strategies.resolve(lv.strategy, lv.compressor, axis_size)
+  if isinstance(strategy, strategies.Dense) and lv.dtype is not None:
+    return strategy._replace(dtype=lv.dtype)
+  if isinstance(strategy, (strategies.Gather, strategies.TwoPhase)) and lv.gather is not None:
+    return strategy._replace(implementation=lv.gather)
+  return strategy
 
 
-def _wire_compressor(lv: Level) -> Compressor:
-  """The level's compressor as the gather and linear strategies run it: with error feedback
-  when the level keeps it."""
-  return error_feedback(lv.compressor) if lv.feedback else lv.compressor
+def _axis_size(axis: str) -> int:
+  return jax.lax.axis_size(axis)
 
 
-def _shard_sizes(levels: Sequence[Level], size: int) -> tuple[int, list[int]]:
+def _shard_sizes(levels: Sequence[Level], size: int,
+                 axis_size: Callable[[str], int] = _axis_size) -> tuple[int, list[int]]:
   """Padded length and the shard length each level sees, dense levels dividing it."""
   dense = 1
   for lv in levels:
     if lv.compressor is None and not _done(lv):
-      dense *= jax.lax.axis_size(lv.axis)
+      dense *= axis_size(lv.axis)
   padded = -(-size // dense) * dense
   lengths, current = [], padded
   for lv in levels:
     lengths.append(current)
     if lv.compressor is None and not _done(lv):
-      current //= jax.lax.axis_size(lv.axis)
+      current //= axis_size(lv.axis)
   return padded, lengths
 
 
@@ -174,12 +184,9 @@ def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
     if lv.compressor is None:
       states.append(())
       continue
-    strategy = _resolved(lv)
-    if strategy == "two_phase":
-      state = (strategies.two_phase_init(length, jax.lax.axis_size(lv.axis))
-               if lv.feedback else ())
-    else:
-      state = _wire_compressor(lv).init((length,), dtype)
+    axis_size = jax.lax.axis_size(lv.axis)
+    state = resolve_level(lv, axis_size).init(lv.compressor, length, axis_size, lv.feedback,
+                                              dtype)
     varying = _distinct_axes(levels, index)
     states.append(jax.tree.map(lambda leaf: _device_local(leaf, varying), state))
   return tuple(states)
@@ -207,17 +214,6 @@ def _level_key(key: jax.Array, levels: Sequence[Level], index: int, shared: bool
     if not (shared and axis == levels[index].axis):
       position = position * jax.lax.axis_size(axis) + jax.lax.axis_index(axis)
   return jax.random.fold_in(jax.random.fold_in(key, index), position)
-
-
-def _exchange(lv: Level, strategy: str, shard: jax.Array, state, key: jax.Array):
-  if strategy == "two_phase":
-    total, state = strategies.two_phase_sum(shard, lv.compressor, state or None, key, lv.axis,
-                                            lv.gather)
-    return total, () if state is None else state
-  compressor = _wire_compressor(lv)
-  if strategy == "linear":
-    return strategies.linear_sum(shard, compressor, state, key, lv.axis)
-  return strategies.gather_sum(shard, compressor, state, key, lv.axis, lv.gather)
 
 
 def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,
@@ -259,22 +255,46 @@ def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,
     if _done(lv):
       new_states.append(state)
       continue
+    axis_size = jax.lax.axis_size(lv.axis)
+    strategy = resolve_level(lv, axis_size)
     if lv.compressor is None:
-      summed_dtype = lv.dtype or shard.dtype
-      shard = jax.lax.psum_scatter(shard.astype(summed_dtype), lv.axis, scatter_dimension=0,
-                                   tiled=True)
-      new_states.append(state)
-      continue
-    if jax.lax.axis_size(lv.axis) == 1:
+      shard = strategy.scatter(shard, lv.axis)
+    elif axis_size == 1:
       shard = jax.lax.psum(shard, lv.axis)  # one device: a no-op that marks it reduced
-      new_states.append(state)
-      continue
-    strategy = _resolved(lv)
-    level_key = _level_key(key, levels, index, shared=strategy == "linear")
-    shard, state = _exchange(lv, strategy, shard, state, level_key)
+    else:
+      level_key = _level_key(key, levels, index, shared=strategy.shared_key)
+      shard, state = strategy.apply(shard, lv.compressor, state, level_key, lv.axis,
+                                    lv.feedback)
     new_states.append(state)
   shard = shard.astype(x.dtype)
   for lv in reversed(levels):
     if lv.compressor is None and not _done(lv):
-      shard = jax.lax.all_gather(shard, lv.axis, tiled=True, to="invarying")
+      shard = resolve_level(lv, jax.lax.axis_size(lv.axis)).gather(shard, lv.axis)
   return shard[:size].reshape(x.shape), tuple(new_states)
+
+
+def hierarchical_cost(levels: Sequence[Level], size: int, axis_sizes: Mapping[str, int],
+                      dtype: Any = jnp.float32) -> dict[str, Cost]:
+  """Steps and bytes per device on each level's axis of one :func:`hierarchical_allreduce`
+  of ``size`` elements of ``dtype``, from each level's strategy ``cost``; nothing compiled.
+
+  The tests check it against the bytes of the compiled HLO (:mod:`jaxcomm.accounting`).
+
+  Args:
+    levels: the topology, fastest first.
+    size: elements of the array reduced.
+    axis_sizes: devices on each level's axis, e.g. ``dict(mesh.shape)``.
+    dtype: the array's dtype.
+
+  Returns:
+    ``{axis: Cost}`` for every level (``NO_COST`` where nothing crosses the axis).
+  """
+  levels = check_levels(levels)
+  _, lengths = _shard_sizes(levels, size, axis_sizes.__getitem__)
+  costs = {}
+  for lv, length in zip(levels, lengths):
+    n = axis_sizes[lv.axis]
+    skipped = _done(lv) or (lv.compressor is not None and n == 1)
+    costs[lv.axis] = NO_COST if skipped else resolve_level(lv, n).cost(
+        lv.compressor, length, n, dtype)
+  return costs

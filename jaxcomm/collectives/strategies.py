@@ -1,15 +1,22 @@
-"""How one mesh axis sums a compressed 1-D shard: dense, linear, gather or two-phase.
+"""How one mesh axis sums a 1-D shard: strategies as values with ``init``, ``apply``, ``cost``.
+
+A strategy is a small immutable value (:class:`Dense`, :class:`Linear`, :class:`Gather`,
+:class:`TwoPhase`); :func:`resolve` picks one for a compressor and an axis size, once per
+level. The engine (:mod:`jaxcomm.collectives.hierarchical`) calls its ``init`` and ``apply``;
+the cost model, the planner and the benchmarks' projections call its ``cost``, which builds
+every figure from :func:`jaxcomm.accounting.ring_cost`, the one place the ring factors live;
+the tests check ``cost`` against the bytes of the compiled HLO.
 
 Bytes each device sends over the axis, for ``n`` devices, a shard of ``D`` bytes and a payload
-of ``c`` bytes for the whole shard (``c/n`` for one of its ``n`` chunks):
+of ``c`` bytes for the whole shard (``c_n`` for one of its ``n`` chunks):
 
 ===========  ===================================  ============================================
 strategy     collectives                          bytes per device
 ===========  ===================================  ============================================
-dense        ``psum`` (optionally in bf16/fp16)   ``2 (n-1)/n D`` (``D`` at the cast dtype)
+dense        reduce-scatter + all-gather          ``2 (n-1)/n D`` (``D`` at the sum's dtype)
 linear       ``psum`` of the payload              ``2 (n-1)/n c`` (integer codes widened to 4 B)
 gather       ``all_gather`` of payloads           ``(n-1) c``
-two_phase    ``all_to_all`` + ``all_gather``      ``(n-1)/n c + (n-1)/n c ~= 2 c``
+two_phase    ``all_to_all`` + ``all_gather``      ``2 (n-1) c_n ~= 2 c``
 ===========  ===================================  ============================================
 
 ``gather`` grows with the number of peers; ``two_phase`` stays at about ``2 c`` for any ``n``
@@ -20,15 +27,18 @@ chunks are all-gathered.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.compress.base import Compressor, psum_payload
+from jaxcomm.accounting import NO_COST, Cost, ring_cost
+from jaxcomm.compress.base import (AxisContext, Compressor, Shape, combining, psum_payload,
+                                   replicated_fields)
+from jaxcomm.compress.error_feedback import error_feedback
 
-STRATEGIES = ("dense", "linear", "gather", "two_phase")
 GATHERS = ("all_gather", "psum")
 
 
@@ -44,15 +54,254 @@ class TwoPhaseState(NamedTuple):
 
 
 def stateless(compressor: Compressor | None) -> bool:
-  """Whether ``compressor`` keeps no state between calls (``init`` returns ``()``)."""
-  return compressor is None or compressor.init((1,), jnp.float32) == ()
+  """Whether ``compressor`` keeps no state between calls (``not compressor.stateful``)."""
+  return compressor is None or not compressor.stateful
 
 
-def check_strategy(strategy: str | None, compressor: Compressor | None) -> None:
-  """Raises at construction when ``strategy`` is unknown or cannot carry ``compressor``.
+def over_axis(axis: str) -> AxisContext:
+  """The :class:`~jaxcomm.compress.AxisContext` of an exchange over mesh axis ``axis``: its
+  size, and agreement by ``pmax`` over it."""
+  return AxisContext(jax.lax.axis_size(axis), lambda value: jax.lax.pmax(value, axis))
+
+
+@functools.lru_cache(maxsize=256)
+def _probe(compressor: Compressor, shape: Shape, dtype_name: str, axis_size: int):
+  """``(payload shapes, bytes of each value agreed on)`` of one encode on an axis of
+  ``axis_size`` devices; shapes only (``jax.eval_shape``), nothing computed."""
+  agreed = []
+
+  def record(value):
+    agreed.append(int(np.prod(value.shape, dtype=np.int64)) * jnp.dtype(value.dtype).itemsize)
+    return value
+
+  def encode(x, key):
+    return compressor.encode(x, compressor.init(x.shape, x.dtype), key)[0]
+
+  with combining(AxisContext(axis_size, record)):
+    payload = jax.eval_shape(encode, jax.ShapeDtypeStruct(shape, dtype_name),
+                             jax.ShapeDtypeStruct((2,), jnp.uint32))
+  return payload, tuple(agreed)
+
+
+def _agreement_cost(compressor, shape: Shape, dtype: Any, axis_size: int) -> Cost:
+  """What one encode's agreements (:class:`~jaxcomm.compress.AxisContext` ``agree_max``, a
+  ``pmax`` each) cost; nothing for a payload-size function alone."""
+  if not isinstance(compressor, Compressor):
+    return NO_COST
+  _, agreed = _probe(compressor, tuple(shape), jnp.dtype(dtype).name, axis_size)
+  return sum((ring_cost("all-reduce", nbytes, axis_size) for nbytes in agreed), NO_COST)
+
+
+def _with_feedback(compressor: Compressor, feedback: bool) -> Compressor:
+  """The compressor as the gather and linear strategies run it: with error feedback when the
+  level keeps it."""
+  return error_feedback(compressor) if feedback else compressor
+
+
+def summed_nbytes(compressor: Compressor, shape: Shape, dtype: Any = jnp.float32,
+                  axis_size: int = 1) -> int:
+  """Bytes a ``psum`` of ``compressor``'s payload carries (:func:`psum_payload`): integer
+  leaves widened to 4 bytes unless the payload is ``OVERFLOW_SAFE``, replicated fields not
+  sent. Read from the payload's shapes, nothing computed."""
+  payload, _ = _probe(compressor, tuple(shape), jnp.dtype(dtype).name, axis_size)
+  widen = not getattr(type(payload), "OVERFLOW_SAFE", False)
+  keep = replicated_fields(payload)
+  summed = (payload if not keep else
+            [leaf for field, leaf in zip(payload._fields, payload) if field not in keep])
+
+  def nbytes(leaf) -> int:
+    itemsize = jnp.dtype(leaf.dtype).itemsize
+    if widen and jnp.issubdtype(leaf.dtype, jnp.integer):
+      itemsize = 4
+    return int(np.prod(leaf.shape, dtype=np.int64)) * itemsize
+  return sum(nbytes(leaf) for leaf in jax.tree.leaves(summed))
+
+
+class Dense(NamedTuple):
+  """Full precision: reduce-scatter on the way in, all-gather on the way out.
+
+  A dense level's shard of ``D = length * itemsize`` bytes (``length`` a multiple of ``n``) is
+  reduce-scattered, ``(n-1)/n D``, and all-gathered back, ``(n-1)/n D``: ``2(n-1)/n D`` per
+  device, an all-reduce's bytes, in ``dtype`` when given (bf16/fp16).
+
+  Attributes:
+    dtype: the dtype the data is summed in (``None``: as given).
+  """
+  dtype: Any = None
+  name = "dense"
+  shared_key = False
+  own_residuals = False
+
+  def check(self, compressor: Compressor | None) -> None:
+    if compressor is not None:
+      raise ValueError(f"strategy='dense' sends full precision and takes no compressor; got "
+                       f"{compressor.name}: use compressor=None for 'dense', or 'linear', "
+                       "'gather' or 'two_phase' with a compressor.")
+
+  def init(self, compressor, length: int, axis_size: int, feedback: bool, dtype: Any):
+    del compressor, length, axis_size, feedback, dtype
+    return ()
+
+  def scatter(self, shard: jax.Array, axis: str) -> jax.Array:
+    """This device's ``1/n`` of the sum of ``shard`` over ``axis``."""
+    summed = shard.astype(self.dtype or shard.dtype)
+    return jax.lax.psum_scatter(summed, axis, scatter_dimension=0, tiled=True)
+
+  def gather(self, shard: jax.Array, axis: str) -> jax.Array:
+    """The ``n`` shards of :meth:`scatter` put back together, on every device."""
+    return jax.lax.all_gather(shard, axis, tiled=True, to="invarying")
+
+  def apply(self, shard: jax.Array, compressor, state, key, axis: str, feedback: bool):
+    """The sum of ``shard`` over ``axis`` (:meth:`scatter` then :meth:`gather`), float32."""
+    del compressor, key, feedback
+    total = self.gather(self.scatter(shard, axis), axis)
+    return total.astype(jnp.float32), state
+
+  def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
+    del compressor
+    nbytes = length * jnp.dtype(self.dtype or dtype).itemsize
+    # The reduce-scatter of D bytes sends what the all-gather back to D bytes sends.
+    return ring_cost("all-gather", nbytes, axis_size) + ring_cost("all-gather", nbytes, axis_size)
+
+
+class Linear(NamedTuple):
+  """Encode with a key shared over the axis, ``psum`` the payloads, decode once.
+
+  Bytes per device: an all-reduce of the summed payload, ``2(n-1)/n c`` for ``c`` bytes
+  (:func:`summed_nbytes`: integer codes widened to 4 B, replicated fields not sent).
+  """
+  name = "linear"
+  shared_key = True
+  own_residuals = False
+
+  def check(self, compressor: Compressor | None) -> None:
+    _needs_compressor(self, compressor)
+    if not compressor.linear:
+      raise ValueError(f"strategy='linear' needs a linear compressor (summable payloads); "
+                       f"{compressor.name} is not linear: use 'gather' or 'two_phase'.")
+
+  def init(self, compressor, length: int, axis_size: int, feedback: bool, dtype: Any):
+    del axis_size
+    return _with_feedback(compressor, feedback).init((length,), dtype)
+
+  def apply(self, shard, compressor, state, key, axis: str, feedback: bool):
+    return linear_sum(shard, _with_feedback(compressor, feedback), state, key, axis)
+
+  def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
+    summed = summed_nbytes(compressor, (length,), dtype, axis_size)
+    return (_agreement_cost(compressor, (length,), dtype, axis_size)
+            + ring_cost("all-reduce", summed, axis_size))
+
+
+class Gather(NamedTuple):
+  """All-gather every device's payload, decode each and sum in float32.
+
+  Bytes per device: ``(n-1) c`` for a ``c``-byte payload (an all-gather to ``n c``), or
+  ``2(n-1) c`` with ``implementation='psum'`` (:func:`psum_gather`).
+
+  Attributes:
+    implementation: ``'all_gather'``, ``'psum'`` or ``None`` for the backend's measured
+      preference (:data:`PREFERRED_GATHER`).
+  """
+  implementation: str | None = None
+  name = "gather"
+  shared_key = False
+  own_residuals = False
+
+  def check(self, compressor: Compressor | None) -> None:
+    _needs_compressor(self, compressor)
+
+  def init(self, compressor, length: int, axis_size: int, feedback: bool, dtype: Any):
+    del axis_size
+    return _with_feedback(compressor, feedback).init((length,), dtype)
+
+  def apply(self, shard, compressor, state, key, axis: str, feedback: bool):
+    return gather_sum(shard, _with_feedback(compressor, feedback), state, key, axis,
+                      self.implementation)
+
+  def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
+    return (_agreement_cost(compressor, (length,), dtype, axis_size)
+            + _gather_cost(self.implementation, compressor.wire_bytes((length,), dtype),
+                           axis_size))
+
+
+class TwoPhase(NamedTuple):
+  """Compressed all-to-all, decode and re-encode of the owned chunk, compressed all-gather.
+
+  Bytes per device for chunks of ``ceil(length/n)`` elements with ``c_n``-byte payloads: an
+  all-to-all of ``n c_n`` and an all-gather to ``n c_n``, ``2(n-1) c_n``, about ``2c`` for any
+  ``n`` (:func:`two_phase_sum`). Needs a :func:`stateless` compressor; keeps its own worker and
+  server residuals (:class:`TwoPhaseState`) when the level keeps feedback.
+
+  Attributes:
+    implementation: the all-gather of the second phase, as for :class:`Gather`.
+  """
+  implementation: str | None = None
+  name = "two_phase"
+  shared_key = False
+  own_residuals = True
+
+  def check(self, compressor: Compressor | None) -> None:
+    _needs_compressor(self, compressor)
+    if not stateless(compressor):
+      raise ValueError(f"strategy='two_phase' needs a stateless compressor; {compressor.name} "
+                       "keeps state between calls: use 'gather'.")
+
+  def init(self, compressor, length: int, axis_size: int, feedback: bool, dtype: Any):
+    del compressor, dtype
+    return two_phase_init(length, axis_size) if feedback else ()
+
+  def apply(self, shard, compressor, state, key, axis: str, feedback: bool):
+    del feedback
+    total, state = two_phase_sum(shard, compressor, state or None, key, axis,
+                                 self.implementation)
+    return total, () if state is None else state
+
+  def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
+    chunk = (-(-length // axis_size),)
+    chunk_bytes = compressor.wire_bytes(chunk, dtype)
+    agreements = _agreement_cost(compressor, chunk, jnp.float32, axis_size)
+    # n chunks encoded, then the owned chunk re-encoded: n + 1 encodes.
+    return (Cost(*(count * (axis_size + 1) for count in agreements))
+            + ring_cost("all-to-all", axis_size * chunk_bytes, axis_size)
+            + _gather_cost(self.implementation, chunk_bytes, axis_size))
+
+
+Strategy = Dense | Linear | Gather | TwoPhase
+BY_NAME = {kind.name: kind() for kind in (Dense, Linear, Gather, TwoPhase)}
+STRATEGIES = tuple(BY_NAME)
+
+
+def _needs_compressor(strategy: Strategy, compressor: Compressor | None) -> None:
+  if compressor is None:
+    raise ValueError(f"strategy={strategy.name!r} needs a compressor; with compressor=None use "
+                     "'dense'.")
+
+
+def _gather_cost(implementation: str | None, payload_bytes: int, axis_size: int) -> Cost:
+  """An all-gather of one ``c``-byte payload per device: to ``n c`` bytes, or a ``psum`` of
+  the ``n c``-byte slot buffer with ``implementation='psum'``."""
+  kind = "all-reduce" if _implementation(implementation) == "psum" else "all-gather"
+  return ring_cost(kind, axis_size * payload_bytes, axis_size)
+
+
+def as_strategy(strategy: str | Strategy | None) -> Strategy | None:
+  """A strategy value from a name of :data:`STRATEGIES` (or a value, returned as it is)."""
+  if strategy is None or isinstance(strategy, Strategy):
+    return strategy
+  if isinstance(strategy, str) and strategy in BY_NAME:
+    return BY_NAME[strategy]
+  raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)}, a strategy value "
+                   f"(Dense(), Linear(), Gather(), TwoPhase()) or None; got {strategy!r}.")
+
+
+def check_strategy(strategy: str | Strategy | None,
+                   compressor: Compressor | None) -> Strategy | None:
+  """The strategy value, after checking at construction that it can carry ``compressor``.
 
   Args:
-    strategy: a name from :data:`STRATEGIES`, or ``None`` to choose automatically.
+    strategy: a name from :data:`STRATEGIES`, a strategy value, or ``None`` to choose
+      automatically.
     compressor: the compressor before any error-feedback wrapping (``None``: full precision).
       Two-phase needs a :func:`stateless` one: it encodes chunks independently and keeps only
       its own residuals. ``'dense'`` sends full precision and so takes no compressor. A
@@ -68,28 +317,14 @@ def check_strategy(strategy: str | None, compressor: Compressor | None) -> None:
                      "compresses a flattened 1-D shard: pass it alone as "
                      "compressed_allreduce(compressor) (no levels, policy or strategy), which "
                      "runs its two-round matrix collective.")
-  if strategy is None:
-    return
-  if strategy not in STRATEGIES:
-    raise ValueError(f"strategy must be one of {', '.join(STRATEGIES)} or None; got {strategy!r}.")
-  name = "full precision" if compressor is None else compressor.name
-  if compressor is not None and strategy == "dense":
-    raise ValueError(f"strategy='dense' sends full precision and takes no compressor; got "
-                     f"{name}: use compressor=None for 'dense', or 'linear', 'gather' or "
-                     "'two_phase' with a compressor.")
-  if compressor is None and strategy != "dense":
-    raise ValueError(f"strategy={strategy!r} needs a compressor; with compressor=None use "
-                     "'dense'.")
-  if strategy == "linear" and not compressor.linear:
-    raise ValueError(f"strategy='linear' needs a linear compressor (summable payloads); "
-                     f"{name} is not linear: use 'gather' or 'two_phase'.")
-  if strategy == "two_phase" and not stateless(compressor):
-    raise ValueError(f"strategy='two_phase' needs a stateless compressor; {name} keeps state "
-                     "between calls: use 'gather'.")
+  strategy = as_strategy(strategy)
+  if strategy is not None:
+    strategy.check(compressor)
+  return strategy
 
 
-def choose_strategy(strategy: str | None, compressor: Compressor | None,
-                    axis_size: int) -> str:
+def resolve(strategy: str | Strategy | None, compressor: Compressor | None,
+            axis_size: int) -> Strategy:
   """The strategy to run: the requested one, else dense / linear / two-phase / gather.
 
   Automatic choice, quality first (measurements in docs/quality.md): full precision is
@@ -100,26 +335,16 @@ def choose_strategy(strategy: str | None, compressor: Compressor | None,
   re-compresses the sum, which cost top-1% 1-3 points against ``gather`` on 8 hosts and made
   scaled sign diverge under SGD with momentum.
   """
+  strategy = as_strategy(strategy)
   if strategy is not None:
     return strategy
   if compressor is None:
-    return "dense"
+    return Dense()
   if compressor.linear:
-    return "linear"
+    return Linear()
   if axis_size > 2 and compressor.unbiased and stateless(compressor):
-    return "two_phase"
-  return "gather"
-
-
-def dense_sum(shard: jax.Array, axis: str, dtype: Any = None) -> jax.Array:
-  """``psum`` at full precision, or in ``dtype`` (bf16/fp16) and back to float32.
-
-  The caller has already divided by the device count, so a float16 sum of averaged gradients
-  cannot overflow where the gradients themselves did not.
-  """
-  if dtype is None:
-    return jax.lax.psum(shard.astype(jnp.float32), axis)
-  return jax.lax.psum(shard.astype(dtype), axis).astype(jnp.float32)
+    return TwoPhase()
+  return Gather()
 
 
 def linear_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, axis: str):
@@ -127,8 +352,9 @@ def linear_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, 
 
   ``key`` must be identical on every device of ``axis`` (shared indices / hashes / scales).
   """
-  payload, state = compressor.encode(shard, state, key)
-  return compressor.decode(psum_payload(payload, axis), shard.shape), state
+  with combining(over_axis(axis)):
+    payload, state = compressor.encode(shard, state, key)
+    return compressor.decode(psum_payload(payload, axis), shard.shape), state
 
 
 def _to_bytes(leaf: jax.Array) -> jax.Array:
@@ -223,10 +449,13 @@ def all_to_all_payload(payloads, axis: str):
 PREFERRED_GATHER = {"cpu": "all_gather", "gpu": "all_gather", "tpu": "all_gather"}
 
 
+def _implementation(implementation: str | None) -> str:
+  return implementation or PREFERRED_GATHER.get(jax.default_backend(), "all_gather")
+
+
 def gather_payloads(payload, axis: str, implementation: str | None = None):
   """All-gather of a payload pytree (``implementation`` from :data:`GATHERS`, or by backend)."""
-  implementation = implementation or PREFERRED_GATHER.get(jax.default_backend(), "all_gather")
-  if implementation == "psum":
+  if _implementation(implementation) == "psum":
     return psum_gather(payload, axis)
   return all_gather_payload(payload, axis)
 
@@ -234,9 +463,10 @@ def gather_payloads(payload, axis: str, implementation: str | None = None):
 def gather_sum(shard: jax.Array, compressor: Compressor, state, key: jax.Array, axis: str,
                implementation: str | None = None):
   """All-gather every device's payload, decode each and sum in float32."""
-  payload, state = compressor.encode(shard, state, key)
-  gathered = gather_payloads(payload, axis, implementation)
-  decoded = jax.vmap(lambda p: compressor.decode(p, shard.shape))(gathered)
+  with combining(over_axis(axis)):
+    payload, state = compressor.encode(shard, state, key)
+    gathered = gather_payloads(payload, axis, implementation)
+    decoded = jax.vmap(lambda p: compressor.decode(p, shard.shape))(gathered)
   return jnp.sum(decoded, axis=0), state
 
 
@@ -258,6 +488,11 @@ def two_phase_sum(shard: jax.Array, compressor: Compressor, state: TwoPhaseState
   With ``state=None`` no residual is kept (an unbiased compressor without error feedback).
   Non-finite input leaves both residuals as they were.
   """
+  with combining(over_axis(axis)):
+    return _two_phase_sum(shard, compressor, state, key, axis, implementation)
+
+
+def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   n = jax.lax.axis_size(axis)
   size = shard.shape[0]
   chunk = -(-size // n)

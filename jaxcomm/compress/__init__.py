@@ -1,7 +1,7 @@
 """Pure gradient compressors: encode/decode, packed wire formats, error feedback."""
 
-from jaxcomm.compress.base import (Compressor, payload_nbytes, psum_payload, replicated_fields,
-                                   sum_payloads)
+from jaxcomm.compress.base import (AxisContext, Compressor, axis_context, combining,
+                                   payload_nbytes, psum_payload, replicated_fields, sum_payloads)
 from jaxcomm.compress.cast import ScaledCastPayload, cast
 from jaxcomm.compress.compose import ComposedState, compose
 from jaxcomm.compress.delta import delta_encode
@@ -27,6 +27,7 @@ from jaxcomm.compress.threshold import ThresholdPayload, adaptive_threshold, thr
 from jaxcomm.compress.topk import ChunkedTopKPayload, TopKPayload, topk
 
 __all__ = [
+    "AxisContext", "axis_context", "combining",
     "ChunkedTopKPayload", "ComposedState", "CompressionPolicy", "Compressor",
     "CountSketchPayload", "CountSketchState", "ErrorFeedbackState", "EstimateFeedbackState",
     "GradientStatistics",

@@ -9,6 +9,9 @@ compressor needs between calls (residuals, warm-start factors) is an explicit py
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
 from typing import Any, Callable, NamedTuple
 
 import jax
@@ -64,6 +67,52 @@ class Compressor(NamedTuple):
   def needs_matrix(self) -> bool:
     """Whether the compressor works on each leaf's matrix, not on a flattened shard."""
     return self.matrix_method is not None
+
+  @property
+  def stateful(self) -> bool:
+    """Whether ``init`` makes state carried between calls (any array); the one place this is
+    probed (shapes only, nothing computed)."""
+    return bool(jax.tree.leaves(jax.eval_shape(lambda: self.init((1,), jnp.float32))))
+
+
+def _alone(value: jax.Array) -> jax.Array:
+  return value
+
+
+class AxisContext(NamedTuple):
+  """What the engine tells a compressor about the devices whose payloads it combines.
+
+  ``compress/`` knows nothing of meshes: a compressor that needs the other devices (an agreed
+  scale, the number of payloads a sum adds up) reads :func:`axis_context` inside ``encode`` and
+  ``decode``, and the engine (:mod:`jaxcomm.collectives.strategies`) sets it around every
+  exchange with :func:`combining`. Outside the engine a compressor works alone: one device.
+
+  Attributes:
+    size: the number ``n`` of devices whose payloads are combined.
+    agree_max: ``agree_max(value) -> value``, the maximum of ``value`` over those devices (the
+      engine runs a ``pmax``: ``2(n-1)/n`` times the value's bytes per device).
+  """
+  size: int = 1
+  agree_max: Callable[[jax.Array], jax.Array] = _alone
+
+
+_AXIS_CONTEXT: contextvars.ContextVar[AxisContext] = contextvars.ContextVar(
+    "jaxcomm_axis_context", default=AxisContext())
+
+
+def axis_context() -> AxisContext:
+  """The :class:`AxisContext` of the exchange being traced (one device outside the engine)."""
+  return _AXIS_CONTEXT.get()
+
+
+@contextlib.contextmanager
+def combining(context: AxisContext) -> Iterator[None]:
+  """While active, :func:`axis_context` is ``context`` (the engine's side of the contract)."""
+  token = _AXIS_CONTEXT.set(context)
+  try:
+    yield
+  finally:
+    _AXIS_CONTEXT.reset(token)
 
 
 def stateless_init(shape: Shape, dtype: Any) -> tuple[()]:
@@ -134,79 +183,6 @@ def psum_payload(payload: Payload, axis_name: str) -> Payload:
   :func:`replicated_fields` are left as they are. Only meaningful when ``compressor.linear``.
   """
   return _sum_leaves(payload, lambda leaf: jax.lax.psum(leaf, axis_name), lambda leaf: leaf)
-
-
-def check_float_input(x: jax.Array, name: str = "x") -> None:
-  """Raises ``TypeError`` unless ``x`` is float32, bfloat16 or float16 (checked at trace time)."""
-  if jnp.dtype(x.dtype) not in {jnp.dtype(d) for d in FLOAT_DTYPES}:
-    raise TypeError(
-        f"{name} must be a float32, bfloat16 or float16 array, got dtype {x.dtype}. "
-        "Integer or boolean leaves have no gradient to compress: cast them or leave them "
-        "out of the gradient pytree.")
-
-
-def check_float_tree(tree, name: str) -> None:
-  """:func:`check_float_input` on every leaf of a pytree, naming the leaf by its path
-  (``grads['dense']['kernel']``)."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    check_float_input(leaf, f"{name}{jax.tree_util.keystr(path)}")
-
-
-def check_fraction(name: str, value: float) -> float:
-  """Validates a fraction in (0, 1] at construction time."""
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-    raise TypeError(f"{name} must be a float in (0, 1], got {value!r}.")
-  if not 0.0 < float(value) <= 1.0:
-    raise ValueError(f"{name} must be in (0, 1], got {value}.")
-  return float(value)
-
-
-def check_int_range(name: str, value: int, low: int, high: int | None = None) -> int:
-  """Validates an int in ``[low, high]`` (no upper bound when ``high`` is None)."""
-  if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-    raise TypeError(f"{name} must be an int, got {value!r}.")
-  if value < low or (high is not None and value > high):
-    allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
-    raise ValueError(f"{name} must be {allowed}, got {value}.")
-  return int(value)
-
-
-def check_dtype(name: str, value: Any, allowed: tuple[Any, ...]) -> jnp.dtype:
-  """Validates a dtype argument against an allowed list."""
-  try:
-    dtype = jnp.dtype(value)
-  except TypeError as error:
-    raise TypeError(f"{name} must be a dtype, got {value!r}.") from error
-  if dtype not in {jnp.dtype(d) for d in allowed}:
-    names = ", ".join(jnp.dtype(d).name for d in allowed)
-    raise ValueError(f"{name} must be one of {names}; got {dtype.name}.")
-  return dtype
-
-
-def check_float(name: str, value: float, *, minimum: float = 0.0, inclusive: bool = False) -> float:
-  """Validates a finite float above ``minimum`` (or equal to it when ``inclusive``)."""
-  if isinstance(value, bool) or not isinstance(value, (int, float, np.floating, np.integer)):
-    raise TypeError(f"{name} must be a float, got {value!r}.")
-  value = float(value)
-  if not np.isfinite(value) or value < minimum or (value == minimum and not inclusive):
-    bound = ">=" if inclusive else ">"
-    raise ValueError(f"{name} must be a finite float {bound} {minimum:g}, got {value}.")
-  return value
-
-
-def check_unit_interval(name: str, value: float) -> float:
-  """Validates a float in ``[0, 1)``: a decay rate, a momentum, a mixing weight."""
-  value = check_float(name, value, minimum=0.0, inclusive=True)
-  if value >= 1.0:
-    raise ValueError(f"{name} must be in [0, 1), got {value}.")
-  return value
-
-
-def check_bool(name: str, value: Any) -> bool:
-  """Validates a bool flag at construction time."""
-  if not isinstance(value, bool):
-    raise TypeError(f"{name} must be a bool, got {value!r}.")
-  return value
 
 
 def num_elements(shape: Shape) -> int:

@@ -7,8 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_bool, check_dtype, check_int_range,
-                                   num_elements, stateless_init)
+from jaxcomm.compress.base import Compressor, axis_context, num_elements, stateless_init
+from jaxcomm.validation import check_bool, check_dtype, check_int_range
 
 CAST_DTYPES = (jnp.bfloat16, jnp.float16, jnp.float8_e4m3fn, jnp.float8_e5m2)
 
@@ -34,14 +34,15 @@ def saturate(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
   return jnp.where(jnp.isfinite(x), jnp.clip(x, -limit, limit), x)
 
 
-def cast(dtype: Any, *, axis_size: int = 1, scaled: bool = False) -> Compressor:
+def cast(dtype: Any, *, axis_size: int | None = None, scaled: bool = False) -> Compressor:
   """Sends the input cast to a narrower float dtype.
 
-  Without ``scaled``, element ``i`` is sent as ``saturate(x_i / axis_size)`` in ``dtype`` and
-  decoded as ``axis_size * float32(value)``. Pre-dividing by the number of devices
-  ``axis_size`` that will ``psum`` the payloads is the overflow guard: a sum of ``axis_size``
-  values each at most ``max_finite / axis_size`` in magnitude cannot leave the range of
-  ``dtype``. Values already beyond the range are saturated to ``+-max_finite`` (the excess stays
+  Without ``scaled``, element ``i`` is sent as ``saturate(x_i / n)`` in ``dtype`` and
+  decoded as ``n * float32(value)``. Pre-dividing by the number ``n`` of devices that will
+  ``psum`` the payloads is the overflow guard: a sum of ``n`` values each at most
+  ``max_finite / n`` in magnitude cannot leave the range of ``dtype``. ``n`` is the engine's
+  axis size (:func:`~jaxcomm.compress.axis_context`; 1 outside it) unless ``axis_size`` fixes
+  it. Values already beyond the range are saturated to ``+-max_finite`` (the excess stays
   in the residual under :func:`~jaxcomm.error_feedback`); NaN and Inf are sent as they are.
 
   With ``scaled=True`` (recommended for float8, whose range is narrow: e4m3 reaches only 448
@@ -57,7 +58,8 @@ def cast(dtype: Any, *, axis_size: int = 1, scaled: bool = False) -> Compressor:
 
   Args:
     dtype: ``jnp.bfloat16``, ``jnp.float16``, ``jnp.float8_e4m3fn`` or ``jnp.float8_e5m2``.
-    axis_size: number of devices whose payloads will be summed, >= 1.
+    axis_size: number of devices whose payloads will be summed, >= 1; ``None`` (default): the
+      axis the engine runs the compressor on.
     scaled: send a per-tensor float32 scale with the values.
 
   Returns:
@@ -69,18 +71,22 @@ def cast(dtype: Any, *, axis_size: int = 1, scaled: bool = False) -> Compressor:
     Formats for Deep Learning", 2022.
   """
   dtype = check_dtype("dtype", dtype, CAST_DTYPES)
-  axis_size = check_int_range("axis_size", axis_size, 1)
+  if axis_size is not None:
+    axis_size = check_int_range("axis_size", axis_size, 1)
   scaled = check_bool("scaled", scaled)
-  if scaled and axis_size != 1:
+  if scaled and axis_size not in (None, 1):
     raise ValueError(f"axis_size must be 1 with scaled=True (private scales are not summed), "
                      f"got axis_size={axis_size}.")
   limit = float(jnp.finfo(dtype).max)
+
+  def devices() -> int:
+    return axis_context().size if axis_size is None else axis_size
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
     if not scaled:
-      return saturate(flat / axis_size, dtype).astype(dtype), state
+      return saturate(flat / devices(), dtype).astype(dtype), state
     amax = jnp.max(jnp.abs(flat), initial=0.0)
     scale = jnp.where(amax > 0, amax / limit, 1.0).reshape(1)
     return ScaledCastPayload(saturate(flat / scale, dtype).astype(dtype), scale), state
@@ -88,12 +94,12 @@ def cast(dtype: Any, *, axis_size: int = 1, scaled: bool = False) -> Compressor:
   def decode(payload, shape) -> jax.Array:
     if scaled:
       return (payload.values.astype(jnp.float32) * payload.scale).reshape(shape)
-    return (payload.astype(jnp.float32) * axis_size).reshape(shape)
+    return (payload.astype(jnp.float32) * devices()).reshape(shape)
 
   def wire_bytes(shape, input_dtype) -> int:
     del input_dtype
     return num_elements(shape) * dtype.itemsize + (4 if scaled else 0)
 
-  suffix = ", scaled" if scaled else (f", axis_size={axis_size}" if axis_size > 1 else "")
+  suffix = ", scaled" if scaled else (f", axis_size={axis_size}" if axis_size else "")
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=not scaled, unbiased=False, name=f"cast({dtype.name}{suffix})")

@@ -7,7 +7,8 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, all_finite, check_float_input
+from jaxcomm.compress.base import Compressor, all_finite
+from jaxcomm.validation import check_float_input
 
 
 class ErrorFeedbackState(NamedTuple):

@@ -18,8 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_bool, check_float, check_int_range,
-                                   num_elements)
+from jaxcomm.compress.base import Compressor, num_elements
+from jaxcomm.validation import check_bool, check_float, check_int_range
 from jaxcomm.compress.powersgd import from_matrix, matrix_shape, to_matrix
 
 

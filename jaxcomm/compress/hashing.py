@@ -44,14 +44,15 @@ def mix32(h: jax.Array) -> jax.Array:
   return h ^ (h >> 16)
 
 
-def hash_bits(key: jax.Array, shape: tuple[int, ...], offset: int = 0) -> jax.Array:
+def hash_bits(key: jax.Array, shape: tuple[int, ...], offset: int | jax.Array = 0
+              ) -> jax.Array:
   """32 random bits per element: uint32 of ``shape``, element ``i`` (row-major) from index
-  ``i + offset`` and the key's words."""
+  ``i + offset`` (modulo 2^32; ``offset`` may be traced) and the key's words."""
   k0, k1 = key_words(key)
   count = 1
   for dim in shape:
     count *= dim
-  index = jax.lax.iota(jnp.uint32, count) + jnp.uint32(offset)
+  index = jax.lax.iota(jnp.uint32, count) + jnp.asarray(offset).astype(jnp.uint32)
   return mix32(mix32(index ^ k0) + k1).reshape(shape)
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import check_int_range
+from jaxcomm.validation import check_int_range
 
 
 def packed_nbytes(count: int, bits: int) -> int:

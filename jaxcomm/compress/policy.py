@@ -8,7 +8,8 @@ from typing import Any, NamedTuple, Sequence
 import jax
 import numpy as np
 
-from jaxcomm.compress.base import Compressor, check_int_range
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_int_range
 
 # Leaves that are cheap to send and sensitive to noise stay at full precision by default:
 # biases, normalization parameters (LayerNorm/BatchNorm/RMSNorm scale and bias), embeddings

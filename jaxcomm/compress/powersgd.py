@@ -16,7 +16,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, check_float, check_int_range, num_elements
+from jaxcomm.compress.base import Compressor, num_elements
+from jaxcomm.validation import check_float, check_int_range
 
 
 class PowerSGDState(NamedTuple):

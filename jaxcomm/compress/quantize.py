@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress import chunks
-from jaxcomm.compress.base import Compressor, check_int_range, num_elements, stateless_init
+from jaxcomm.compress.base import Compressor, axis_context, num_elements, stateless_init
+from jaxcomm.validation import check_int_range
 from jaxcomm.compress.hashing import stochastic_round
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -95,8 +96,8 @@ class SharedScalePayload(NamedTuple):
   """The wire format of :func:`shared_quantize`: signed codes on a grid shared by the axis.
 
   Attributes:
-    codes: int8 of shape ``(d,)``, in ``[-q, q]`` with ``q = 127 // axis_size``, so the sum
-      of ``axis_size`` payloads still fits in int8 (``OVERFLOW_SAFE``: summed as int8).
+    codes: int8 of shape ``(d,)``, in ``[-q, q]`` with ``q = 127 // n`` for ``n`` devices, so
+      the sum of their ``n`` payloads still fits in int8 (``OVERFLOW_SAFE``: summed as int8).
     scale: float32 of shape ``(1,)``: ``max |x|`` over the axis, the same on every device
       (``REPLICATED``: kept, not summed).
   """
@@ -106,16 +107,17 @@ class SharedScalePayload(NamedTuple):
   OVERFLOW_SAFE = True
 
 
-def shared_quantize(scale_axis: str, axis_size: int, *, stochastic: bool = True) -> Compressor:
-  """Linear 8-bit quantization: one scale agreed over ``scale_axis``, codes summable as int8.
+def shared_quantize(*, stochastic: bool = True) -> Compressor:
+  """Linear 8-bit quantization: one scale agreed by the devices summed, codes summable as int8.
 
-  ``encode`` takes ``s = jax.lax.pmax(max |x|, scale_axis)`` (4 bytes per device), then sends
-  ``round(x / step)`` with ``step = s / q`` and ``q = 127 // axis_size`` as int8. All devices
+  ``encode`` takes ``s = max |x|`` agreed by the ``n`` devices whose payloads will be summed
+  (:func:`~jaxcomm.compress.axis_context`: the engine runs a 4-byte ``pmax`` over the axis),
+  then sends ``round(x / step)`` with ``step = s / q`` and ``q = 127 // n`` as int8. All devices
   share the grid, so codes add: a ``psum`` of the payloads in int8 (see
   :func:`~jaxcomm.compress.psum_payload`) is the payload of the sum, and it cannot overflow
-  because ``axis_size * q <= 127``. The price of summing in 8 bits is resolution: ``2q + 1``
-  levels (255 for one device, 63 for 4, 31 for 8). ``encode`` must run where ``scale_axis``
-  is bound (inside ``jax.shard_map``, or ``jax.vmap(..., axis_name=...)``).
+  because ``n q <= 127``. The price of summing in 8 bits is resolution: ``2q + 1`` levels (255
+  for one device, 63 for 4, 31 for 8); ``n`` is at most 127. Outside the engine it works alone
+  (``n = 1``, its own scale); ``decode`` must see the ``n`` that ``encode`` saw.
 
   Properties: with ``stochastic=True``, unbiased with variance at most ``d step^2 / 4``
   (``step = s / q``, with the shared ``s``); with ``stochastic=False``, biased with error at
@@ -124,34 +126,38 @@ def shared_quantize(scale_axis: str, axis_size: int, *, stochastic: bool = True)
   Bytes: ``d + 4``.
 
   Args:
-    scale_axis: the named axis whose devices share the scale and sum the codes.
-    axis_size: the number of devices on ``scale_axis``, 1 to 127.
     stochastic: stochastic rounding (unbiased) instead of round-to-nearest.
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`SharedScalePayload` payloads.
 
+  Example:
+    >>> tx = jaxcomm.compressed_allreduce(jaxcomm.compress.shared_quantize())  # doctest: +SKIP
+
   References:
     Gupta et al., "Deep Learning with Limited Numerical Precision", ICML 2015; Wen et al.,
     "TernGrad", NeurIPS 2017 (scale sharing across workers).
   """
-  if not isinstance(scale_axis, str) or not scale_axis:
-    raise TypeError(f"scale_axis must be a non-empty axis name, got {scale_axis!r}.")
-  axis_size = check_int_range("axis_size", axis_size, 1, 127)
   if not isinstance(stochastic, bool):
     raise TypeError(f"stochastic must be a bool, got {stochastic!r}.")
-  half_levels = 127 // axis_size
+
+  def half_levels() -> int:
+    size = axis_context().size
+    if size > 127:
+      raise ValueError(f"shared_quantize sums int8 codes of at most 127 devices; the axis has "
+                       f"{size}: use quantize(8) (gather or two-phase) there.")
+    return 127 // size
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    scale = jax.lax.pmax(jnp.max(jnp.abs(flat), initial=0.0), scale_axis)
-    position = flat * half_levels / jnp.where(scale > 0, scale, 1.0)
+    scale = axis_context().agree_max(jnp.max(jnp.abs(flat), initial=0.0))
+    position = flat * half_levels() / jnp.where(scale > 0, scale, 1.0)
     rounded = stochastic_round(position, key) if stochastic else jnp.round(position)
-    codes = jnp.clip(rounded, -half_levels, half_levels).astype(jnp.int8)
+    codes = jnp.clip(rounded, -half_levels(), half_levels()).astype(jnp.int8)
     return SharedScalePayload(codes, scale.reshape(1)), state
 
   def decode(payload: SharedScalePayload, shape) -> jax.Array:
-    step = payload.scale / half_levels
+    step = payload.scale / half_levels()
     return (payload.codes.astype(jnp.float32) * step).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
@@ -160,5 +166,4 @@ def shared_quantize(scale_axis: str, axis_size: int, *, stochastic: bool = True)
 
   rounding = "stochastic" if stochastic else "nearest"
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
-                    linear=True, unbiased=stochastic,
-                    name=f"shared_int8({scale_axis!r}, axis_size={axis_size}, {rounding})")
+                    linear=True, unbiased=stochastic, name=f"shared_int8({rounding})")

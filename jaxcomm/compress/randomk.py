@@ -8,8 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_bool, check_fraction, check_int_range,
-                                   num_elements, stateless_init)
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_bool, check_fraction, check_int_range
 from jaxcomm.compress.hashing import hash_bits
 
 

@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.compress.base import (Compressor, all_finite, check_float, check_fraction,
-                                   check_int_range)
+from jaxcomm.compress.base import Compressor, all_finite
+from jaxcomm.validation import check_float, check_fraction, check_int_range
 from jaxcomm.compress.sign import sign
 from jaxcomm.compress.topk import topk
 

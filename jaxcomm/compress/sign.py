@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress import chunks
-from jaxcomm.compress.base import Compressor, check_int_range, num_elements, stateless_init
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_int_range
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 
 

@@ -8,7 +8,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, check_fraction, check_int_range, num_elements
+from jaxcomm.compress.base import Compressor, num_elements
+from jaxcomm.validation import check_fraction, check_int_range
 from jaxcomm.compress.hashing import hash_bits
 from jaxcomm.compress.select import largest_k
 
@@ -38,23 +39,38 @@ class CountSketchPayload(NamedTuple):
   REPLICATED = ("key",)
 
 
-def sketch_hashes(key: jax.Array, size: int, depth: int,
-                  width: int) -> tuple[jax.Array, jax.Array]:
-  """Buckets ``h_j(i)`` (int32) and signs ``s_j(i)`` (float32 +-1), both ``(depth, size)``.
+CHUNK = 1 << 16
 
-  One random 32-bit word per (row, element), hashed from the shared key
-  (:mod:`~jaxcomm.compress.hashing`): the low bit is the sign, the
-  rest modulo ``width`` the bucket (a bias below ``width / 2^31``). Every device computes the
-  same ones, which is what makes sketches summable.
+
+def sketch_hashes(key: jax.Array, offset: int | jax.Array, count: int,
+                  width: int) -> tuple[jax.Array, jax.Array]:
+  """Buckets (int32) and signs (float32 +-1), both ``(count,)``, of hash indices
+  ``offset, ..., offset + count - 1``; row ``j``'s hash of element ``i`` has index
+  ``j * d + i``.
+
+  One random 32-bit word per index, hashed from the shared key
+  (:mod:`~jaxcomm.compress.hashing`): the low bit is the sign, the top 24 bits ``m`` give the
+  bucket ``floor(m * width / 2^24)`` (buckets get ``floor`` or ``ceil`` of ``2^24 / width``
+  of the values of ``m``: a relative bias below ``width / 2^24``), by a float multiplication
+  rather than an integer modulo, which XLA's CPU backend does not vectorize. Every device
+  computes the same ones, which is what makes sketches summable.
   """
-  words = hash_bits(key, (depth, size))
-  buckets = ((words >> 1) % width).astype(jnp.int32)
+  words = hash_bits(key, (count,), offset)
+  scaled = (words >> 8).astype(jnp.float32) * jnp.float32(width / 2.0**24)
+  buckets = jnp.minimum(scaled.astype(jnp.int32), width - 1)
   signs = jnp.where((words & 1) == 1, 1.0, -1.0)
   return buckets, signs
 
 
-def median_of_rows(rows: jax.Array) -> jax.Array:
-  """Median over axis 0 of a ``(depth, n)`` array, by a sorting network of min/max.
+def _chunked(size: int) -> tuple[int, int]:
+  """``(chunks, elements per chunk)`` of the loops over the input."""
+  chunk = min(CHUNK, max(size, 1))
+  return -(-size // chunk), chunk
+
+
+def median_of_rows(rows) -> jax.Array:
+  """Median over axis 0 of a ``(depth, n)`` array (or a list of ``depth`` arrays of shape
+  ``(n,)``), by a sorting network of min/max.
 
   ``depth`` is small, so ``depth^2 / 2`` elementwise compare-exchanges are far cheaper than a
   sort along a length-``depth`` axis (XLA's CPU sort is slow for that layout).
@@ -111,27 +127,50 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   if heavy is not None:
     heavy = check_fraction("heavy", heavy)
   seed = check_int_range("seed", seed, 0)
-  rows = jnp.arange(depth)[:, None]
 
   def init(shape, dtype) -> CountSketchState:
     del dtype
     # Folding in the size gives tensors of different sizes different hashes.
     return CountSketchState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
 
+  # Encode and decode loop over chunks of CHUNK elements (`jax.lax.scan`): all `depth` rows
+  # of hashes for the whole input at once are `depth` d-sized temporaries, which XLA's CPU
+  # runtime allocates (and page-faults) afresh on every call; per chunk they stay in cache.
   def encode(x: jax.Array, state: CountSketchState, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
-    buckets, signs = sketch_hashes(state.key, flat.shape[0], depth, width)
-    table = jnp.zeros((depth, width), jnp.float32).at[rows, buckets].add(signs * flat)
+    size = flat.shape[0]
+    count, chunk = _chunked(size)
+    values = jnp.pad(flat, (0, count * chunk - size)).reshape(count, chunk)
+
+    def add_chunk(table, item):
+      start, chunk_values = item
+      rows = []
+      for row in range(depth):
+        buckets, signs = sketch_hashes(state.key, row * size + start, chunk, width)
+        rows.append(table[row].at[buckets].add(signs * chunk_values))
+      return jnp.stack(rows), None
+
+    starts = jnp.arange(count, dtype=jnp.int32) * chunk
+    table, _ = jax.lax.scan(add_chunk, jnp.zeros((depth, width), jnp.float32), (starts, values))
     return CountSketchPayload(table, state.key), state
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    buckets, signs = sketch_hashes(payload.key, size, depth, width)
-    estimates = median_of_rows(signs * payload.table[rows, buckets])
+    count, chunk = _chunked(size)
+
+    def estimate_chunk(start):
+      rows = []
+      for row in range(depth):
+        buckets, signs = sketch_hashes(payload.key, row * size + start, chunk, width)
+        rows.append(signs * payload.table[row][buckets])
+      return median_of_rows(rows)
+
+    starts = jnp.arange(count, dtype=jnp.int32) * chunk
+    estimates = jax.lax.map(estimate_chunk, starts).reshape(-1)[:size]
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
-      indices = largest_k(jnp.abs(estimates), kept)
+      indices = largest_k(estimates, kept, by_magnitude=True)
       estimates = jnp.zeros(size, jnp.float32).at[indices].set(estimates[indices])
     return estimates.reshape(shape)
 

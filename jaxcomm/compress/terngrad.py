@@ -7,7 +7,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.compress.base import Compressor, axis_context, num_elements, stateless_init
+from jaxcomm.validation import check_bool
 from jaxcomm.compress.hashing import hash_uniform
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -23,17 +24,16 @@ class TernGradPayload(NamedTuple):
   scaler: jax.Array
 
 
-def terngrad(*, scale_axis: str | None = None) -> Compressor:
+def terngrad(*, shared_scale: bool = False) -> Compressor:
   """TernGrad: ``C(g)_i = s * t_i``, ``t_i = sign(g_i)`` with probability ``|g_i| / s``, else 0.
 
-  The scaler is ``s = max_i |g_i|``. With ``scale_axis`` it is shared: ``encode`` takes
-  ``jax.lax.pmax`` of the local maxima over that named axis (4 bytes per device, before the
-  payload is sent), as the paper's scaler sharing does. Then every device's payload carries
-  the same ``s``, so the sum of the decoded payloads is ``s * sum_devices t``: a receiver may
-  add the integer codes and multiply once, and a two-phase collective can re-quantize the
-  sum on the same grid. ``encode`` must then run where ``scale_axis`` is bound (inside
-  ``jax.shard_map`` over a mesh with that axis, or ``jax.vmap(..., axis_name=...)``); pass the
-  slow axis, e.g. ``terngrad(scale_axis='host')``. A zero scaler sends zeros.
+  The scaler is ``s = max_i |g_i|``. With ``shared_scale`` the devices whose payloads are
+  combined agree on it (:func:`~jaxcomm.compress.axis_context`: the engine runs a 4-byte
+  ``pmax`` of the local maxima over the axis before the payload is sent), as the paper's scaler
+  sharing does. Then every device's payload carries the same ``s``, so the sum of the decoded
+  payloads is ``s * sum_devices t``: a receiver may add the integer codes and multiply once,
+  and a two-phase collective can re-quantize the sum on the same grid. Outside the engine the
+  scaler is the device's own. A zero scaler sends zeros.
 
   Properties: unbiased, ``E[C(g)] = g``, with variance
   ``E||C(g) - g||^2 = sum_i |g_i| (s - |g_i|) <= (s ||g||_1 / ||g||_2^2 - 1) ||g||^2
@@ -43,7 +43,7 @@ def terngrad(*, scale_axis: str | None = None) -> Compressor:
   Bytes: ``ceil(d / 4) + 4`` (2 bits per element: 16x smaller than float32).
 
   Args:
-    scale_axis: named axis over which the scaler is shared; ``None`` for a private scaler.
+    shared_scale: agree on one scaler over the devices combined (``False``: private).
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`TernGradPayload` payloads.
@@ -52,15 +52,14 @@ def terngrad(*, scale_axis: str | None = None) -> Compressor:
     Wen et al., "TernGrad: Ternary Gradients to Reduce Communication in Distributed Deep
     Learning", NeurIPS 2017.
   """
-  if scale_axis is not None and (not isinstance(scale_axis, str) or not scale_axis):
-    raise TypeError(f"scale_axis must be a non-empty axis name or None, got {scale_axis!r}.")
+  shared_scale = check_bool("shared_scale", shared_scale)
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
     magnitude = jnp.abs(flat)
     scaler = jnp.max(magnitude, initial=0.0)
-    if scale_axis is not None:
-      scaler = jax.lax.pmax(scaler, scale_axis)
+    if shared_scale:
+      scaler = axis_context().agree_max(scaler)
     keep = hash_uniform(key, flat.shape) * scaler < magnitude
     codes = jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
     return TernGradPayload(pack_bits(codes, 2), scaler.reshape(1)), state
@@ -74,6 +73,6 @@ def terngrad(*, scale_axis: str | None = None) -> Compressor:
     del dtype
     return packed_nbytes(num_elements(shape), 2) + 4
 
-  shared = "" if scale_axis is None else f"scale_axis={scale_axis!r}"
+  shared = "shared_scale=True" if shared_scale else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=True, name=f"terngrad({shared})")

@@ -8,10 +8,10 @@ from typing import Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import (Compressor, check_float, check_fraction, num_elements,
-                                   stateless_init)
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_float, check_fraction
 from jaxcomm.compress.hashing import hash_bits
-from jaxcomm.compress.select import count_true, largest_k, nth_true
+from jaxcomm.compress.select import compact, count_true, kth_largest_bits, largest_k
 
 
 class ThresholdPayload(NamedTuple):
@@ -47,10 +47,12 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     passed = count_true(above[None])[0]
     # When they fit, the elements above the threshold are compacted in index order (linear
     # time); when more pass, the largest of them win the slots (exact linear-time top-k).
-    indices = jax.lax.cond(
-        passed <= slots,
-        lambda: nth_true(above, jnp.arange(slots, dtype=jnp.int32)),
-        lambda: largest_k(jnp.where(above, magnitude, 0.0), slots))
+    # The compaction runs outside the conditional: XLA's CPU backend runs work inside a
+    # branch several times slower.
+    fitting = compact(above, slots)
+    indices = jax.lax.cond(passed <= slots, lambda: fitting,
+                           lambda: largest_k(jnp.where(above, flat, 0.0), slots,
+                                             by_magnitude=True))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
     indices = jnp.where(used, indices, 0)
@@ -145,9 +147,9 @@ def adaptive_threshold(density: float, *, capacity: float | None = None,
       return jnp.array(jnp.inf, jnp.float32)
     drawn = max(1, math.ceil(sample * size))
     positions = hash_bits(key, (drawn,)) % jnp.uint32(size)
-    sampled = magnitude[positions]
+    sampled = jax.lax.bitcast_convert_type(magnitude[positions], jnp.int32)
     rank = max(1, math.floor(density * drawn))
-    return jnp.min(sampled[largest_k(sampled, rank)])
+    return jax.lax.bitcast_convert_type(kth_largest_bits(sampled, rank), jnp.float32)
 
   return _threshold_compressor(threshold_of, capacity,
                                f"adaptive_threshold({density:g}, capacity={capacity:g})")

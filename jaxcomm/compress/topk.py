@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress import chunks
-from jaxcomm.compress.base import (Compressor, check_bool, check_dtype, check_fraction,
-                                   check_int_range, num_elements, stateless_init)
+from jaxcomm.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm.validation import check_bool, check_dtype, check_fraction, check_int_range
 from jaxcomm.compress.select import largest_k
 
 VALUE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -50,15 +50,15 @@ class ChunkedTopKPayload(NamedTuple):
 MAX_UINT16_CHUNK = 1 << 16
 
 
-def select_largest(magnitude: jax.Array, count: int, approximate: bool) -> jax.Array:
-  """Indices of the ``count`` largest entries on the last axis, in increasing order.
+def select_largest(values: jax.Array, count: int, approximate: bool) -> jax.Array:
+  """Indices of the ``count`` largest ``|values|`` on the last axis, in increasing order.
 
   Exact (:func:`~jaxcomm.compress.select.largest_k`, linear time) except with
   ``approximate`` on TPU, where ``jax.lax.approx_max_k`` is faster (in value order there).
   """
   if approximate and jax.default_backend() == "tpu":
-    return jax.lax.approx_max_k(magnitude, count)[1]
-  return largest_k(magnitude, count)
+    return jax.lax.approx_max_k(jnp.abs(values), count)[1]
+  return largest_k(values, count, by_magnitude=True)
 
 
 def topk(fraction: float | None = None, *, k: int | None = None,
@@ -124,7 +124,7 @@ def topk(fraction: float | None = None, *, k: int | None = None,
   def encode(x: jax.Array, state, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
-    indices = select_largest(jnp.abs(flat), topk_count(x.shape, fraction, k), approximate)
+    indices = select_largest(flat, topk_count(x.shape, fraction, k), approximate)
     return TopKPayload(flat[indices].astype(value_dtype), indices.astype(jnp.int32)), state
 
   def decode(payload: TopKPayload, shape) -> jax.Array:
@@ -153,7 +153,7 @@ def _chunked_topk(fraction: float, chunk: int, value_dtype: jnp.dtype,
     del key
     _, width, kept = layout(x.size)
     rows = chunks.to_chunks(x.reshape(-1).astype(jnp.float32), width)
-    indices = select_largest(jnp.abs(rows), kept, approximate)
+    indices = select_largest(rows, kept, approximate)
     values = jnp.take_along_axis(rows, indices, axis=1)
     return ChunkedTopKPayload(values.astype(value_dtype), indices.astype(jnp.uint16)), state
 

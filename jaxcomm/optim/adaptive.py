@@ -54,7 +54,7 @@ class AdaptiveState(NamedTuple):
   """State of :func:`adaptive_allreduce`.
 
   Attributes:
-    allreduce: the shared :class:`~jaxcomm.CompressedAllReduceState` (its residuals are used
+    allreduce: the shared :class:`~jaxcomm.optim.CompressedAllReduceState` (its residuals are used
       by every level).
     controller: the controller's state, replicated.
     level: int32, the level the last step used (replicated).
@@ -229,7 +229,7 @@ def adaptive_allreduce(compressors: Sequence[Compressor], controller: Controller
   if len(compressors) < 2 or not all(isinstance(c, Compressor) for c in compressors):
     raise TypeError("compressors must be a sequence of at least two jaxcomm.Compressor, got "
                     f"{compressors!r}.")
-  stateful = [c.name for c in compressors if c.init((1,), jnp.float32) != ()]
+  stateful = [c.name for c in compressors if c.stateful]
   if stateful:
     raise ValueError(f"compressors must be stateless to share one residual; {stateful} keep "
                      "state.")

@@ -74,7 +74,7 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
   exactly. The defaults are the paper's, ``momentum = 1 - 1/N`` for ``N`` devices and
   ``block_learning_rate = 1``: averaging ``N`` models moves about ``1/N`` as far as ``N``
   sequential blocks would, and the filter's gain ``1/(1 - momentum) = N`` makes up for it.
-  Compared with :func:`jaxcomm.slowmo` (which generalizes it), the
+  Compared with :func:`jaxcomm.optim.slowmo` (which generalizes it), the
   momentum is of model updates rather than of learning-rate-normalized gradients, and the
   Nesterov variant moves the starting point rather than the global model.
 

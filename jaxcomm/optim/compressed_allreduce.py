@@ -13,8 +13,9 @@ from jaxcomm.collectives import buckets as bucketing
 from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
-from jaxcomm.collectives.strategies import TwoPhaseState
-from jaxcomm.compress.base import Compressor, check_dtype, check_float_tree
+from jaxcomm.collectives.strategies import Strategy, TwoPhaseState, as_strategy
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_dtype, check_float_tree
 from jaxcomm.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
                                              estimate_feedback)
 from jaxcomm.compress.policy import CompressionPolicy
@@ -39,7 +40,7 @@ class CompressedAllReduceState(NamedTuple):
       levels), e.g. ``level_states[i][1].residual`` is the error-feedback residual of leaf
       ``i``'s slow-axis shard. Device-local (varying over the mesh axes): inside ``shard_map``
       a leaf of shape ``(n,)`` is this device's; outside it is the concatenation over devices,
-      sharded along its first dimension. :func:`jaxcomm.sharded_init` builds these specs.
+      sharded along its first dimension. :func:`jaxcomm.optim.sharded_init` builds these specs.
     key: PRNG key, replicated; split every step.
     count: int32 step counter, replicated; a skipped step does not count.
     skipped_steps: int32, replicated: steps skipped by ``nonfinite='skip'`` because some
@@ -87,7 +88,7 @@ def _feedback_for(feedback: str, compressor: Compressor | None) -> str:
   flattened shards that contracts by at least :data:`ESTIMATE_MIN_CONTRACTION`, else
   ``'residual'`` (matrix compressors keep their collective's residuals; an unbiased one may
   then use two-phase: see
-  :func:`~jaxcomm.collectives.strategies.choose_strategy`)."""
+  :func:`~jaxcomm.collectives.strategies.resolve`)."""
   if feedback != "auto" or compressor is None:
     return feedback
   if (compressor.unbiased or compressor.needs_matrix
@@ -104,15 +105,16 @@ def _check_feedback(feedback, strategy, residual_dtype) -> str:
   (its own worker and server residuals) and a ``bfloat16`` ``residual_dtype``. ``False`` is
   ``'none'``.
   """
+  own_residuals = strategy is not None and strategy.own_residuals
   if feedback is True:
-    keeps_residuals = strategy == "two_phase" or residual_dtype != jnp.float32
+    keeps_residuals = own_residuals or residual_dtype != jnp.float32
     return "residual" if keeps_residuals else "auto"
   if feedback is False:
     feedback = "none"
   if feedback not in FEEDBACKS:
     raise ValueError(f"feedback must be one of {', '.join(FEEDBACKS)} or a bool; got "
                      f"{feedback!r}.")
-  if feedback == "estimate" and strategy == "two_phase":
+  if feedback == "estimate" and own_residuals:
     raise ValueError("strategy='two_phase' keeps its own worker and server residuals: use it "
                      "with feedback='residual' (or 'none'), or use feedback='estimate' with "
                      "'gather' or 'linear'.")
@@ -188,10 +190,40 @@ def _keep_finite(new, old):
       else n, new, old)
 
 
+def _check_arguments(compressor, feedback, seed, nonfinite) -> None:
+  """Raises naming the argument of :func:`compressed_allreduce` that has a wrong type or value."""
+  if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
+    raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
+                    f"got {type(compressor).__name__}.")
+  if not isinstance(feedback, (bool, str)):
+    raise TypeError(f"feedback must be a bool or one of {', '.join(FEEDBACKS)}, got "
+                    f"{feedback!r}.")
+  if isinstance(seed, bool) or not isinstance(seed, int):
+    raise TypeError(f"seed must be an int, got {seed!r}.")
+  if nonfinite not in NONFINITE_MODES:
+    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}.")
+
+
+def _reduce_bucket(packed: jax.Array, levels, level_states, estimate, key: jax.Array):
+  """``(mean, new level states, new estimate)`` of one bucket.
+
+  With an EF21 ``estimate`` the levels return the summed change of the devices' estimates
+  (float32, so that the replicated estimate stays exactly their mean), and the mean is the
+  new estimate.
+  """
+  if not isinstance(estimate, jax.Array):
+    mean, level_states = hierarchical_allreduce(packed, levels, level_states, key)
+    return mean, level_states, estimate
+  change, level_states = hierarchical_allreduce(packed.astype(jnp.float32), levels,
+                                                level_states, key)
+  estimate = estimate + change
+  return estimate.astype(packed.dtype), level_states, estimate
+
+
 def compressed_allreduce(
     compressor: Compressor | None = None,
     *,
-    strategy: str | None = None,
+    strategy: str | Strategy | None = None,
     feedback: bool | str = True,
     levels: Sequence[Level] | None = None,
     bucket_bytes: int | None = None,
@@ -206,7 +238,7 @@ def compressed_allreduce(
   Place it first in an ``optax.chain``; the transformations after it see the global mean
   gradient, identical on every device. Both ``init`` and ``update`` run inside
   ``jax.shard_map`` over a mesh with the topology's axes. The state is partly device-local:
-  create it with :func:`jaxcomm.sharded_init`, which also returns the ``PartitionSpec`` pytree
+  create it with :func:`jaxcomm.optim.sharded_init`, which also returns the ``PartitionSpec`` pytree
   to use for it in the train step's ``in_specs``/``out_specs``.
 
   Bytes per device and step for each bucket of ``D`` bytes on the default two levels
@@ -221,8 +253,11 @@ def compressed_allreduce(
       (``jaxcomm.powersgd(r)``) runs PowerSGD's two-round collective on each leaf's matrix
       (:func:`jaxcomm.powersgd_allreduce` and its state; no strategy, buckets or bf16
       residuals).
-    strategy: how the slow axis sums payloads: ``'linear'``, ``'gather'``, ``'two_phase'``, or
-      ``None`` to choose from the compressor's facts and the axis size.
+    strategy: how the slow axis sums payloads: a strategy value of
+      :mod:`jaxcomm.collectives` (``Linear()``, ``Gather()``, ``TwoPhase()``, ``Dense()``) or
+      its name (``'linear'``, ``'gather'``, ``'two_phase'``, ``'dense'``), or ``None`` to
+      choose from the compressor's facts and the axis size
+      (:func:`~jaxcomm.collectives.resolve`).
     feedback: how what a compressor did not send is carried over. ``'estimate'`` (EF21):
       every device keeps an estimate of its shard and sends the compressed change of it;
       every device keeps the mean of the estimates (one float32 copy of the gradient,
@@ -261,25 +296,17 @@ def compressed_allreduce(
 
   Returns:
     An ``optax.GradientTransformation``. ``update(grads, state, params=None)`` expects this
-    device's own gradients (varying over every axis: see :func:`jaxcomm.local_grad`) and
+    device's own gradients (varying over every axis: see :func:`jaxcomm.optim.local_grad`) and
     returns their mean.
 
   Example:
     >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
     ...                  optax.adamw(1e-3))  # doctest: +SKIP
   """
-  if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
-    raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
-                    f"got {type(compressor).__name__}.")
-  if not isinstance(feedback, (bool, str)):
-    raise TypeError(f"feedback must be a bool or one of {', '.join(FEEDBACKS)}, got "
-                    f"{feedback!r}.")
-  if isinstance(seed, bool) or not isinstance(seed, int):
-    raise TypeError(f"seed must be an int, got {seed!r}.")
-  if nonfinite not in NONFINITE_MODES:
-    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}.")
+  _check_arguments(compressor, feedback, seed, nonfinite)
   residual_dtype = check_dtype("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
   left_default = feedback is True
+  strategy = as_strategy(strategy)
   feedback = _check_feedback(feedback, strategy, residual_dtype)
   if isinstance(compressor, Compressor) and compressor.needs_matrix and levels is None:
     _check_two_level_axes(fast_axis, slow_axis)
@@ -328,18 +355,9 @@ def compressed_allreduce(
     wide_states = _cast_residuals(state.level_states, jnp.float32)
     for index, (bucket, level_states, estimate) in enumerate(
         zip(plan(grads), wide_states, state.estimates)):
-      packed = bucketing.pack(leaves, bucket)
-      if isinstance(estimate, jax.Array):
-        # The levels return the summed change of the devices' estimates (float32, so that
-        # the replicated estimate stays exactly their mean); the mean is the new estimate.
-        change, level_states = hierarchical_allreduce(
-            packed.astype(jnp.float32), topologies[bucket.group], level_states,
-            jax.random.fold_in(step_key, index))
-        estimate = estimate + change
-        mean = estimate.astype(bucket.dtype)
-      else:
-        mean, level_states = hierarchical_allreduce(
-            packed, topologies[bucket.group], level_states, jax.random.fold_in(step_key, index))
+      mean, level_states, estimate = _reduce_bucket(
+          bucketing.pack(leaves, bucket), topologies[bucket.group], level_states, estimate,
+          jax.random.fold_in(step_key, index))
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
         means[leaf_index] = leaf_mean
       new_states.append(level_states)

@@ -175,8 +175,8 @@ def demo(learning_rate: float | optax.Schedule, *, beta: float = 0.999, chunk: i
 
   Returns:
     An ``optax.GradientTransformation`` taking this device's gradients
-    (:func:`jaxcomm.local_grad`) and returning the same update on every device; create its
-    state with :func:`jaxcomm.sharded_init`.
+    (:func:`jaxcomm.optim.local_grad`) and returning the same update on every device; create its
+    state with :func:`jaxcomm.optim.sharded_init`.
 
   Example:
     >>> trainer = jaxcomm.data_parallel(loss_fn, jaxcomm.demo(1e-3, weight_decay=0.1),

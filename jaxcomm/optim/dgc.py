@@ -98,7 +98,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
 
   Returns:
     An ``optax.GradientTransformation`` for per-device gradients
-    (:func:`jaxcomm.local_grad`) inside ``shard_map``.
+    (:func:`jaxcomm.optim.local_grad`) inside ``shard_map``.
 
   Example:
     >>> tx = optax.chain(jaxcomm.dgc(0.001, fast_axis="local"),

@@ -13,7 +13,7 @@ def _as_device_local(params):
   """Marks replicated parameters as varying so that ``jax.grad`` does not ``psum`` their
   cotangents: inside ``shard_map`` the transpose of the implicit invariant-to-varying cast is
   a full-precision all-reduce over every mesh axis."""
-  return vary_tree(params, manual_axes("jaxcomm.local_grad"))
+  return vary_tree(params, manual_axes("jaxcomm.optim.local_grad"))
 
 
 def local_value_and_grad(fun: Callable, *, has_aux: bool = False) -> Callable:

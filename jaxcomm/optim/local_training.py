@@ -69,7 +69,7 @@ def local_training_step(loss_fn: Callable, tx: optax.GradientTransformation, mes
   """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)`` for device-local
   parameters, jitted.
 
-  Like :func:`jaxcomm.data_parallel_step`, but ``params`` are device-local
+  Like :func:`jaxcomm.optim.data_parallel_step`, but ``params`` are device-local
   (:func:`to_device_local`): each device differentiates its own copy (varying parameters
   need no ``local_grad``: ``jax.grad`` inserts no ``psum``) and ``tx`` decides when and how
   the copies meet. The returned loss is the mean over devices of each device's loss.
@@ -79,7 +79,7 @@ def local_training_step(loss_fn: Callable, tx: optax.GradientTransformation, mes
     tx: e.g. :func:`jaxcomm.optim.diloco` or :func:`jaxcomm.optim.gossip`.
     mesh: the device mesh.
     state_specs: ``PartitionSpec`` pytree of the state, from
-      ``jaxcomm.sharded_init(tx, params, mesh, PartitionSpec(mesh.axis_names))``.
+      ``jaxcomm.optim.sharded_init(tx, params, mesh, PartitionSpec(mesh.axis_names))``.
     batch_spec: spec of every batch leaf; defaults to ``P(mesh.axis_names)``.
 
   Returns:

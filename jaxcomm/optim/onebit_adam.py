@@ -105,8 +105,8 @@ def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1:
 
   Returns:
     An ``optax.GradientTransformation`` that takes this device's gradients (see
-    :func:`jaxcomm.local_grad`) and returns the same update on every device; create its state
-    with :func:`jaxcomm.sharded_init`.
+    :func:`jaxcomm.optim.local_grad`) and returns the same update on every device; create its state
+    with :func:`jaxcomm.optim.sharded_init`.
 
   References:
     Tang et al., "1-bit Adam: Communication Efficient Large-Scale Training with Adam's

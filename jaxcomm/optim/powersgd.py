@@ -65,7 +65,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     slow_axis: inter-host mesh axis.
 
   Returns:
-    An ``optax.GradientTransformation``; create its state with :func:`jaxcomm.sharded_init`.
+    An ``optax.GradientTransformation``; create its state with :func:`jaxcomm.optim.sharded_init`.
 
   References:
     Vogels, Karimireddy & Jaggi, "PowerSGD: Practical Low-Rank Gradient Compression for

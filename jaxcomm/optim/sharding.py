@@ -70,7 +70,7 @@ def sharded_init(tx: optax.GradientTransformation, params, mesh: Mesh,
     ``mesh`` as ``specs`` says, and the ``PartitionSpec`` pytree.
 
   Example:
-    >>> opt_state, opt_specs = jaxcomm.sharded_init(tx, params, mesh)  # doctest: +SKIP
+    >>> opt_state, opt_specs = jaxcomm.optim.sharded_init(tx, params, mesh)  # doctest: +SKIP
   """
   specs = state_specs(tx, params, mesh, params_spec)
   init = jax.jit(jax.shard_map(tx.init, mesh=mesh, in_specs=(params_spec,), out_specs=specs),

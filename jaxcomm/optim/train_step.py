@@ -21,7 +21,7 @@ def device_step(loss_fn: Callable, tx: optax.GradientTransformation,
   """``step(params, opt_state, batch, *loss_args) -> (params, opt_state, mean loss)``, run on
   each device inside ``jax.shard_map`` over ``axes``.
 
-  Each device takes its own gradient (:func:`jaxcomm.local_value_and_grad`: no implicit
+  Each device takes its own gradient (:func:`jaxcomm.optim.local_value_and_grad`: no implicit
   full-precision ``psum``) and ``tx`` does all communication. The loss is ``pmean``-ed over
   ``axes`` (``2 (N-1)/N * 4`` bytes per device for ``N`` devices).
   """
@@ -40,7 +40,7 @@ def data_parallel_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
   """Builds ``step(params, opt_state, batch) -> (params, opt_state, loss)``, jitted.
 
   The expert path under :func:`jaxcomm.data_parallel`, with the same per-device body
-  (:func:`device_step`): the caller creates the state with :func:`jaxcomm.sharded_init` and
+  (:func:`device_step`): the caller creates the state with :func:`jaxcomm.optim.sharded_init` and
   waits for steps itself (on simulated CPU devices, wait for each step:
   docs/reliability.md). Parameters are replicated; the batch is split over every mesh axis
   along its first dimension; ``tx`` does all communication (its first element is typically
@@ -50,7 +50,8 @@ def data_parallel_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
     loss_fn: ``loss_fn(params, batch) -> scalar`` for one device's batch.
     tx: the optimizer chain.
     mesh: the device mesh.
-    state_specs: ``PartitionSpec`` pytree of ``tx``'s state, from :func:`jaxcomm.sharded_init`.
+    state_specs: ``PartitionSpec`` pytree of ``tx``'s state, from
+      :func:`jaxcomm.optim.sharded_init`.
     batch_spec: spec of every batch leaf; defaults to ``P(mesh.axis_names)`` (split over all
       devices along the first dimension).
 

@@ -140,9 +140,9 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` takes this
-    device's gradients of its own parameters (:func:`jaxcomm.to_device_local`, stepped by
-    :func:`jaxcomm.local_training_step`) and returns each device's parameter update; create
-    its state with ``jaxcomm.sharded_init(tx, params, mesh, PartitionSpec(mesh.axis_names))``.
+    device's gradients of its own parameters (:func:`jaxcomm.optim.to_device_local`, stepped by
+    :func:`jaxcomm.optim.local_training_step`) and returns each device's parameter update; create
+    its state with ``jaxcomm.optim.sharded_init(tx, params, mesh, PartitionSpec(mesh.axis_names))``.
     The parameters of all devices are equal after every step up to the freeze and, to the
     rounding of ``p + (new - p)`` in ``optax.apply_updates``, after every synchronization
     (the state's ``anchor`` holds the exact synchronized parameters; a device's rounding is
@@ -225,7 +225,7 @@ def _init_state(params, hyper: _Hyper) -> ZeroOneAdamState:
     raise ValueError(
         f"zero_one_adam needs device-local parameters: params{replicated[0]} is "
         f"replicated over mesh axis {replicated[1]!r}. Give every device its own copy "
-        "with jaxcomm.to_device_local and step it with jaxcomm.local_training_step.")
+        "with jaxcomm.optim.to_device_local and step it with jaxcomm.optim.local_training_step.")
   as_float = jax.tree.map(lambda p: p.astype(jnp.float32), params)
   int_zero = jnp.zeros((), jnp.int32)
   return ZeroOneAdamState(

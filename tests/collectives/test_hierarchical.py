@@ -24,7 +24,7 @@ def _allreduce_fn(mesh, compressor, shape, feedback=False, strategy=None):
                      out_specs=(P(), P(AXES)))
   def run(x, key):
     states = init_states(levels, int(np.prod(shape)), x.dtype)
-    mean, states = jaxcomm.hierarchical_allreduce(x[0], levels, states, key)
+    mean, states = jaxcomm.collectives.hierarchical_allreduce(x[0], levels, states, key)
     return mean, jax.tree.map(lambda s: s[None], states[1])
 
   return run
@@ -97,11 +97,11 @@ def test_missing_axis_and_outside_shard_map_raise_clearly():
 
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(("data", "model")), out_specs=P())
   def run(x):
-    return jaxcomm.hierarchical_allreduce(x[0], (level("local"), level("host")), ((), ()),
+    return jaxcomm.collectives.hierarchical_allreduce(x[0], (level("local"), level("host")), ((), ()),
                                           jax.random.PRNGKey(0))[0]
 
   with pytest.raises(ValueError, match="mesh axis 'local' is not available"):
     jax.jit(run)(jnp.zeros((8, 3)))
   with pytest.raises(ValueError, match="outside jax.shard_map"):
-    jaxcomm.hierarchical_allreduce(jnp.zeros(3), (level("local"), level("host")), ((), ()),
+    jaxcomm.collectives.hierarchical_allreduce(jnp.zeros(3), (level("local"), level("host")), ((), ()),
                                    jax.random.PRNGKey(0))

@@ -30,10 +30,10 @@ def _scheduled_entry(bucket_bytes):
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy="gather",
                                                 bucket_bytes=bucket_bytes), optax.sgd(0.1))
   params = jax.device_put(params, NamedSharding(mesh, P()))
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   batch = tuple(jax.device_put(jnp.ones((8 * 4, WIDTH)), NamedSharding(mesh, P(("host", "local"))))
                 for _ in range(2))
-  step = jaxcomm.data_parallel_step(_mlp_loss, tx, mesh, specs)
+  step = jaxcomm.optim.data_parallel_step(_mlp_loss, tx, mesh, specs)
   text = step.lower(params, state, batch).compile().as_text()
   entry = text[text.index("\nENTRY"):]
   entry = entry[:entry.index("\n}")]

@@ -35,7 +35,7 @@ def test_roundtrip_shape_dtype_and_wire_bytes(name, dtype, shape):
   payload, decoded = _roundtrip(compressor, x)
   chex.assert_shape(decoded, shape)
   assert decoded.dtype == jnp.float32
-  assert jaxcomm.payload_nbytes(payload) == compressor.wire_bytes(shape, dtype)
+  assert jaxcomm.compress.payload_nbytes(payload) == compressor.wire_bytes(shape, dtype)
   assert np.all(np.isfinite(decoded))
 
 

@@ -15,7 +15,7 @@ from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, thr
                               unpack_bits)
 from jaxcomm.compress.hashing import hash_bits, hash_uniform, stochastic_round
 from jaxcomm.compress.randomk import random_indices
-from jaxcomm.compress.select import MIN_FAST_SIZE, largest_k, nth_true
+from jaxcomm.compress.select import MIN_FAST_SIZE, compact, largest_k
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)
@@ -56,11 +56,11 @@ def test_stochastic_round_is_unbiased(value):
   assert abs(rounded.mean() - value) <= 5 * standard_error + 2.0**-24
 
 
-@pytest.mark.parametrize("size", [1, 15, 16, 17, 1000, 5003])
-def test_nth_true_matches_nonzero(size):
+@pytest.mark.parametrize("size", [1, 31, 32, 33, 1000, 5003])
+def test_compact_matches_nonzero(size):
   mask = np.random.default_rng(size).random(size) < 0.3
-  ranks = np.arange(size + 3, dtype=np.int32)
-  positions = np.asarray(jax.jit(nth_true)(jnp.asarray(mask), jnp.asarray(ranks)))
+  mask[-1] = True  # a set bit in the last, padded word
+  positions = np.asarray(jax.jit(compact, static_argnums=1)(jnp.asarray(mask), size + 3))
   expected = np.nonzero(mask)[0]
   np.testing.assert_array_equal(positions[:len(expected)], expected)
   np.testing.assert_array_equal(positions[len(expected):], size)
@@ -81,6 +81,10 @@ def test_largest_k_is_exactly_top_k(kind):
   magnitude = jnp.asarray(magnitude)
   for k in (57, FAST // 100):
     np.testing.assert_array_equal(fast_largest_k(magnitude, k), _exact_top(magnitude, k))
+  signed = magnitude * jnp.where(jnp.arange(FAST) % 3 == 0, -1.0, 1.0)
+  np.testing.assert_array_equal(
+      jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+          signed, FAST // 100, by_magnitude=True), _exact_top(magnitude, FAST // 100))
   if kind == "normal":
     rows = jnp.abs(jax.random.normal(KEY, (2, MIN_FAST_SIZE)))  # one threshold per row
     np.testing.assert_array_equal(fast_largest_k(rows, 300), _exact_top(rows, 300))

@@ -110,7 +110,7 @@ BAD_CONFIGS = [
     (lambda: cast(jnp.int8), ValueError, "dtype"),
     (lambda: cast(jnp.float16, axis_size=0), ValueError, "axis_size"),
     (lambda: cast(jnp.float8_e4m3fn, axis_size=2, scaled=True), ValueError, "axis_size"),
-    (lambda: terngrad(scale_axis=3), TypeError, "scale_axis"),
+    (lambda: terngrad(shared_scale=3), TypeError, "shared_scale"),
     (lambda: compose(topk(0.1), "int8"), TypeError, "quantizer"),
 ]
 

@@ -13,6 +13,8 @@ from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, e
                               identity, natural, pack_bits, packed_nbytes, payload_nbytes,
                               psum_payload, qsgd, quantize, randomk, shared_quantize, sign,
                               sum_payloads, terngrad, threshold, topk, unpack_bits)
+from jaxcomm.collectives.strategies import over_axis
+from jaxcomm.compress.base import AxisContext, combining
 
 SIZE = 16
 SAMPLES = 4000
@@ -162,11 +164,19 @@ def test_qsgd_wire_format():
   np.testing.assert_array_equal(np.sign(decoded) * np.sign(X) >= 0, True)
 
 
+def _over_devices(fn):
+  """``fn`` run with the engine's axis context of the vmapped axis ``'devices'``."""
+  def run(*args):
+    with combining(over_axis("devices")):
+      return fn(*args)
+  return run
+
+
 def test_terngrad_shared_scaler_under_a_named_axis():
-  compressor = terngrad(scale_axis="devices")
+  compressor = terngrad(shared_scale=True)
   inputs = jnp.stack([X, 3.0 * X])
-  payloads, _ = jax.vmap(compressor.encode, in_axes=(0, None, None), axis_name="devices")(
-      inputs, (), jax.random.PRNGKey(0))
+  payloads, _ = jax.vmap(_over_devices(compressor.encode), in_axes=(0, None, None),
+                         axis_name="devices")(inputs, (), jax.random.PRNGKey(0))
   np.testing.assert_allclose(payloads.scaler[:, 0], 3.0 * float(jnp.max(jnp.abs(X))))
   decoded = jax.vmap(lambda p: compressor.decode(p, X.shape))(payloads)
   assert set(np.unique(np.asarray(decoded) / payloads.scaler[0, 0])) <= {-1.0, 0.0, 1.0}
@@ -247,10 +257,11 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
 
 
 def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
-  compressor = shared_quantize("devices", 4)
+  compressor = shared_quantize()
   inputs = jnp.stack([X, jnp.flip(X), 3.0 * X, -X])
   keys = jax.random.split(jax.random.PRNGKey(0), 4)
 
+  @_over_devices
   def device(x, key):
     payload, _ = compressor.encode(x, (), key)
     return payload, psum_payload(payload, "devices"), compressor.decode(payload, X.shape)
@@ -263,11 +274,12 @@ def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
   summed = sum_payloads(payloads)
   assert summed.codes.dtype == jnp.int8 and psummed.codes.dtype == jnp.int8
   chex.assert_trees_all_equal(jax.tree.map(lambda leaf: leaf[2], psummed), summed)
-  np.testing.assert_allclose(compressor.decode(summed, X.shape), decoded.sum(0), rtol=1e-6,
-                             atol=1e-6)
+  with combining(AxisContext(size=4)):  # decoded on the grid of the 4 devices that encoded
+    total = compressor.decode(summed, X.shape)
+  np.testing.assert_allclose(total, decoded.sum(0), rtol=1e-6, atol=1e-6)
   single = jax.vmap(lambda key: jax.vmap(device, axis_name="devices")(X[None], key[None])[2][0])
   many = np.asarray(jax.jit(single)(jax.random.split(jax.random.PRNGKey(1), SAMPLES)))
-  step = float(jnp.max(jnp.abs(X))) / 31
+  step = float(jnp.max(jnp.abs(X))) / 127  # one device: q = 127
   # Per element the rounding has standard deviation at most step / 2 (a skewed Bernoulli when
   # x sits near a grid point, so the bound, not the sample std, sets the tolerance).
   np.testing.assert_array_less(np.abs(many.mean(0) - np.asarray(X)),
@@ -276,17 +288,18 @@ def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
 
 
 def test_shared_quantize_nonfinite_on_one_device_is_flagged_on_all():
-  wrapped = error_feedback(shared_quantize("devices", 2))
+  wrapped = error_feedback(shared_quantize())
   state = wrapped.init(X.shape, X.dtype)
   inputs = jnp.stack([X, X.at[0].set(jnp.nan)])
-  _, states = jax.vmap(wrapped.encode, in_axes=(0, None, None), axis_name="devices")(
-      inputs, state, jax.random.PRNGKey(0))
+  _, states = jax.vmap(_over_devices(wrapped.encode), in_axes=(0, None, None),
+                       axis_name="devices")(inputs, state, jax.random.PRNGKey(0))
   np.testing.assert_array_equal(states.finite[:, 0], [False, False])
   np.testing.assert_array_equal(states.residual, 0.0)
-  with pytest.raises(ValueError, match="axis_size"):
-    shared_quantize("devices", 128)
-  with pytest.raises(TypeError, match="scale_axis"):
-    shared_quantize(None, 2)
+  with pytest.raises(ValueError, match="at most 127 devices; the axis has 128"):
+    with combining(AxisContext(size=128)):
+      shared_quantize().encode(X, (), jax.random.PRNGKey(0))
+  with pytest.raises(TypeError, match="stochastic"):
+    shared_quantize(stochastic=1)
 
 
 def test_error_feedback_around_a_linear_compressor_sums_the_corrected_inputs():

@@ -30,7 +30,7 @@ COMPRESSORS = {
     "topk-ef-two-phase": (jaxcomm.topk(0.1), True, "two_phase"),
     "sign-ef-two-phase": (jaxcomm.sign(), True, "two_phase"),
     "randomk-linear": (jaxcomm.randomk(0.25, shared=True), False, "linear"),
-    "int8-shared-linear": (jaxcomm.shared_quantize("host", 2), False, "linear"),
+    "int8-shared-linear": (jaxcomm.shared_quantize(), False, "linear"),
     "full-precision-dense": (None, False, None),
 }
 GRAD_SHAPES = {"kernel": (24, 10), "bias": (10,)}

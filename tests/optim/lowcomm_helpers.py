@@ -46,16 +46,16 @@ def train(tx, steps, *, local=False, params=None, start=0, state=None):
   """Runs ``steps`` steps; returns ``(params, state, losses, step_fn, specs)``.
 
   ``local=True`` trains device-local parameters (local SGD, DiLoCo, gossip, ...), else
-  replicated ones with :func:`jaxcomm.data_parallel_step`.
+  replicated ones with :func:`jaxcomm.optim.data_parallel_step`.
   """
   loss_fn, initial, data, mesh = problem()
   if params is None:
     params = to_device_local(initial, mesh) if local else initial
   params_spec = P(AXES) if local else P()
-  specs = jaxcomm.state_specs(tx, params, mesh, params_spec)
+  specs = jaxcomm.optim.state_specs(tx, params, mesh, params_spec)
   if state is None:
-    state, specs = jaxcomm.sharded_init(tx, params, mesh, params_spec)
-  make = local_training_step if local else jaxcomm.data_parallel_step
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, params_spec)
+  make = local_training_step if local else jaxcomm.optim.data_parallel_step
   step = make(loss_fn, tx, mesh, specs)
   losses = []
   for i in range(start, start + steps):

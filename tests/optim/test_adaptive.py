@@ -28,7 +28,7 @@ def _stepper(tx, mesh, signals=()):
   """``(state, step)``: ``step(grads, state, *signal_values)`` returns every device's output
   and level (stacked on a device axis) and the new state; signal ``i`` of device ``d`` is
   ``values[i][d]``."""
-  state, specs = jaxcomm.sharded_init(tx, PARAMS, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh,
@@ -49,7 +49,7 @@ def test_schedule_runs_each_level_on_the_shared_residual_exactly():
   reducers = [jaxcomm.compressed_allreduce(c, strategy="gather", feedback="residual")
               for c in LADDER]
   steppers = [_stepper_plain(r, mesh) for r in reducers]
-  reference = jaxcomm.sharded_init(reducers[0], PARAMS, mesh)[0]
+  reference = jaxcomm.optim.sharded_init(reducers[0], PARAMS, mesh)[0]
   for t in range(6):
     out, levels, state = step(_grads(t), state)
     level = min(t // 2, 2)
@@ -61,7 +61,7 @@ def test_schedule_runs_each_level_on_the_shared_residual_exactly():
 
 
 def _stepper_plain(tx, mesh):
-  specs = jaxcomm.sharded_init(tx, PARAMS, mesh)[1]
+  specs = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)[1]
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),

@@ -48,8 +48,8 @@ def branch_selectors(jaxpr):
 def traced_step(tx, local):
   loss_fn, params, data, mesh = problem()
   params = optim.to_device_local(params, mesh) if local else params
-  state, specs = jaxcomm.sharded_init(tx, params, mesh, P(AXES) if local else P())
-  make = optim.local_training_step if local else jaxcomm.data_parallel_step
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, P(AXES) if local else P())
+  make = optim.local_training_step if local else jaxcomm.optim.data_parallel_step
   return jax.make_jaxpr(make(loss_fn, tx, mesh, specs))(params, state, batch(data, 0)).jaxpr
 
 

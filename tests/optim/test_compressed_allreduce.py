@@ -39,8 +39,8 @@ def test_training_loss_decreases_for_every_compressor(problem, name):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = optax.chain(jaxcomm.compressed_allreduce(compressor, feedback=feedback),
                    optax.adam(3e-3))
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
   for i in range(60):
     batch = (inputs[i * 128:(i + 1) * 128], labels[i * 128:(i + 1) * 128])
@@ -54,7 +54,7 @@ def test_state_specs_mark_residuals_device_local_and_the_rest_replicated(problem
   _, params, _ = problem
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.1)), optax.adam(1e-3))
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   allreduce_specs, adam_specs = specs[0], specs[1]
   for spec in jax.tree.leaves(allreduce_specs.level_states,
                               is_leaf=lambda s: isinstance(s, P)):
@@ -72,8 +72,8 @@ def test_sharded_init_state_equals_plain_mean_of_devices_with_identity(problem):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.identity(), feedback=False),
                    optax.sgd(0.1))
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   batch = (inputs[:128], labels[:128])
   new_params, _, _ = step(params, opt_state, batch)
   per_device = [jax.grad(loss_fn)(params, (inputs[i * 16:(i + 1) * 16], labels[i * 16:(i + 1) * 16]))
@@ -136,7 +136,7 @@ def test_integer_parameters_are_rejected():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.5))
   with pytest.raises(TypeError, match=r"params\['n'\] must be a float32"):
-    jaxcomm.sharded_init(tx, {"n": jnp.zeros(4, jnp.int32)}, mesh)
+    jaxcomm.optim.sharded_init(tx, {"n": jnp.zeros(4, jnp.int32)}, mesh)
 
 
 def test_a_policy_compresses_only_the_leaves_it_chooses():

@@ -45,7 +45,7 @@ def _check_invariant(state, hosts: int, local: int, out=None) -> None:
     ((8, 1), jaxcomm.topk(0.1), None),
     ((4, 2), jaxcomm.quantize(4), "gather"),
     ((2, 4), jaxcomm.randomk(0.25), "linear"),
-    ((4, 2), jaxcomm.count_sketch(16, 1), "linear"),  # depth 1: linear decode
+    ((4, 2), jaxcomm.compress.count_sketch(16, 1), "linear"),  # depth 1: linear decode
 ])
 def test_replicated_estimate_is_the_mean_of_the_device_estimates(mesh_shape, compressor,
                                                                  strategy):
@@ -93,9 +93,9 @@ def test_a_nan_on_one_device_keeps_the_invariant(nonfinite):
 
 @pytest.mark.parametrize("compressor, mesh_shape, kind", [
     (jaxcomm.sign(), (8, 1), EstimateFeedbackState),  # biased, contracts 0.64: EF21, gather
-    (jaxcomm.topk(0.01), (8, 1), jaxcomm.ErrorFeedbackState),  # contracts 0.08: residuals
+    (jaxcomm.topk(0.01), (8, 1), jaxcomm.compress.ErrorFeedbackState),  # contracts 0.08: residuals
     (jaxcomm.quantize(8), (8, 1), TwoPhaseState),  # unbiased: residuals, two-phase on > 2
-    (jaxcomm.quantize(8), (2, 4), jaxcomm.ErrorFeedbackState),  # ... gather on 2 hosts
+    (jaxcomm.quantize(8), (2, 4), jaxcomm.compress.ErrorFeedbackState),  # ... gather on 2 hosts
 ])
 def test_default_feedback_and_strategy_follow_the_measured_rules(compressor, mesh_shape, kind):
   mesh = jaxcomm.make_mesh(hosts=mesh_shape[0], local=mesh_shape[1])
@@ -111,7 +111,7 @@ def test_default_feedback_keeps_residuals_where_estimates_cannot_be_exact():
     state, _ = update_fn(jaxcomm.compressed_allreduce(jaxcomm.sign(), **kwargs), PARAMS, mesh)
     assert state.estimates == ((), ())
     kinds = {type(levels[1]) for levels in state.level_states}
-    assert kinds <= {TwoPhaseState, jaxcomm.ErrorFeedbackState}
+    assert kinds <= {TwoPhaseState, jaxcomm.compress.ErrorFeedbackState}
 
 
 @pytest.mark.parametrize("kwargs, match", [

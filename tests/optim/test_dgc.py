@@ -93,10 +93,10 @@ def test_bad_fast_axis_raises_at_construction(fast_axis, error, match):
 def test_fast_axis_missing_from_the_mesh_or_alone_in_it_raises():
   params = problem()[1]
   with pytest.raises(ValueError, match="dgc.init: mesh axis 'gpu' is not available"):
-    jaxcomm.sharded_init(dgc(fast_axis="gpu"), params, problem()[3])
+    jaxcomm.optim.sharded_init(dgc(fast_axis="gpu"), params, problem()[3])
   one_axis = jax.make_mesh((DEVICES,), ("local",), axis_types=(jax.sharding.AxisType.Explicit,))
   with pytest.raises(ValueError, match="fast_axis='local' is the only mesh axis"):
-    jaxcomm.sharded_init(dgc(fast_axis="local"), params, one_axis)
+    jaxcomm.optim.sharded_init(dgc(fast_axis="local"), params, one_axis)
 
 
 @pytest.mark.parametrize("kwargs, match", [

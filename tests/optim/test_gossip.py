@@ -30,7 +30,7 @@ def test_complete_graph_with_uniform_weights_is_allreduce():
 def _mixing_step(tx, mesh):
   """One jitted mixing step without gradients, reporting the consensus distance before/after."""
   params = {"w": jnp.zeros((64,))}
-  state, specs = jaxcomm.sharded_init(tx, params, mesh, P(AXES))
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, P(AXES))
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
@@ -94,7 +94,7 @@ def test_random_peers_are_drawn_alike_from_a_seed_and_from_its_typed_or_legacy_k
   mesh = problem()[3]
   x = {"w": jax.random.normal(jax.random.PRNGKey(0), (8 * 64,))}
   tx = lambda seed: gossip(optax.sgd(0.0), "random", seed=seed)
-  initial = lambda seed: jaxcomm.sharded_init(tx(seed), {"w": jnp.zeros((64,))}, mesh,
+  initial = lambda seed: jaxcomm.optim.sharded_init(tx(seed), {"w": jnp.zeros((64,))}, mesh,
                                               P(AXES))[0]
   # update reads the state's key, never the seed: one compiled step per key layout is enough.
   (legacy_step, seed_state), (typed_step, typed_state) = (

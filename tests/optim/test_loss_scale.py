@@ -22,8 +22,8 @@ def _fp16_allreduce():
 
 def _setup(mesh, **kwargs):
   params = {"w": jnp.ones((8, 16), jnp.float32)}
-  tx = jaxcomm.dynamic_loss_scale(_fp16_allreduce(), optax.sgd(0.5), axes=AXES, **kwargs)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  tx = jaxcomm.optim.dynamic_loss_scale(_fp16_allreduce(), optax.sgd(0.5), axes=AXES, **kwargs)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(), specs, P(AXES)),
@@ -84,4 +84,4 @@ def test_overflow_of_the_float16_sum_is_caught_and_the_scale_grows_back():
 def test_bad_arguments(kwargs, match):
   arguments = {"axes": AXES, **kwargs}
   with pytest.raises((ValueError, TypeError), match=match):
-    jaxcomm.dynamic_loss_scale(_fp16_allreduce(), optax.sgd(0.1), **arguments)
+    jaxcomm.optim.dynamic_loss_scale(_fp16_allreduce(), optax.sgd(0.1), **arguments)

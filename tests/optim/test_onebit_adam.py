@@ -27,8 +27,8 @@ def problem():
 
 def _train(problem, tx, steps, mesh):
   loss_fn, params, (inputs, labels) = problem
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
   for i in range(steps):
     params, state, loss = step(params, state, (inputs[i * 128:(i + 1) * 128],
@@ -74,7 +74,7 @@ def test_compressed_phase_sends_one_bit_per_element_between_hosts(problem):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   loss_fn, params, (inputs, labels) = problem
   tx = jaxcomm.onebit_adam(1e-2, warmup_steps=1)
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs), out_specs=(P(), specs))

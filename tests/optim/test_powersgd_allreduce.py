@@ -15,7 +15,7 @@ AXES = ("host", "local")
 
 
 def _stepper(mesh, tx, params, steps):
-  state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),

@@ -92,4 +92,4 @@ def test_integer_leaves_are_refused_at_init():
   mesh = jaxcomm.make_mesh(hosts=HOSTS, local=LOCAL)
   params = to_device_local({"w": jnp.zeros((4, 4)), "n": jnp.zeros((4,), jnp.int32)}, mesh)
   with pytest.raises(TypeError, match=r"params\[0\] must be a float32.*got dtype int32"):
-    jaxcomm.sharded_init(streaming_diloco(optax.sgd(0.1), 4), params, mesh, P(AXES))
+    jaxcomm.optim.sharded_init(streaming_diloco(optax.sgd(0.1), 4), params, mesh, P(AXES))

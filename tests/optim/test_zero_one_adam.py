@@ -89,7 +89,7 @@ def test_trains_the_mlp_close_to_adam_skipping_rounds_and_resumes_from_numpy():
 def test_replicated_parameters_are_refused_at_init_with_the_remedy():
   _, params, _, mesh = problem()
   with pytest.raises(ValueError, match="needs device-local parameters.*to_device_local"):
-    jaxcomm.sharded_init(zero_one_adam(LR, var_freeze_step=4), params, mesh)
+    jaxcomm.optim.sharded_init(zero_one_adam(LR, var_freeze_step=4), params, mesh)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -118,7 +118,7 @@ def test_skip_nonfinite_makes_a_poisoned_step_a_no_op_in_every_kind_of_step():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.skip_nonfinite(zero_one_adam(0.1, var_freeze_step=3, var_update_scaler=1,
                                             local_step_scaler=1, local_step_clipper=2), AXES)
-  params = jaxcomm.to_device_local({"w": np.ones((4, 16), np.float32)}, mesh)
+  params = jaxcomm.optim.to_device_local({"w": np.ones((4, 16), np.float32)}, mesh)
   state, step = apply_fn(tx, params, mesh, P(AXES))
   good = [{"w": jax.random.normal(jax.random.PRNGKey(t), (DEVICES, 4, 16))} for t in range(7)]
   for poisoned_step in range(1, 7):

@@ -47,7 +47,7 @@ def _tx():
 
 
 def _train(mesh, loss_fn, params, opt_state, specs, data, start, stop):
-  step = jaxcomm.data_parallel_step(loss_fn, _tx(), mesh, specs)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, _tx(), mesh, specs)
   inputs, labels = data
   losses = []
   for i in range(start, stop):
@@ -67,7 +67,7 @@ def main(argv=None) -> None:
   loss_fn = classification_loss(graphdef)
   data = tuple(np.asarray(a) for a in teacher_classification(0, args.steps * BATCH, 64, 10))
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  opt_state, specs = jaxcomm.sharded_init(_tx(), params, mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(_tx(), params, mesh)
   saved_params, saved_state, first = _train(mesh, loss_fn, params, opt_state, specs, data, 0,
                                             half)
   _, _, rest = _train(mesh, loss_fn, saved_params, saved_state, specs, data, half, args.steps)
@@ -81,7 +81,7 @@ def main(argv=None) -> None:
                                                                       sharding=replicated),
                                        params),
                 "opt_state": checkpoint.abstract_state(_tx(), params, new_mesh)}
-      new_specs = jaxcomm.state_specs(_tx(), params, new_mesh)
+      new_specs = jaxcomm.optim.state_specs(_tx(), params, new_mesh)
       for rule in ("sum", "reset"):
         state = checkpoint.restore(directory, target, tx=_tx(), params=params, residuals=rule)
         _, _, losses = _train(new_mesh, loss_fn, state["params"], state["opt_state"], new_specs,

@@ -41,9 +41,9 @@ def main() -> None:
     for dtype in (jnp.float32, jnp.bfloat16):
       tx = optax.chain(jaxcomm.compressed_allreduce(compressor, strategy=strategy,
                                                     residual_dtype=dtype), optax.adam(1e-3))
-      state, specs = jaxcomm.sharded_init(tx, params, mesh)
+      state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
       residual = sum(residual_bytes_per_device(state[0]).values())
-      step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+      step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
       batch = (inputs[:BATCH], labels[:BATCH])
       arguments = step.lower(params, state, batch).compile().memory_analysis()
       current, losses = params, []

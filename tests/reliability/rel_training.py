@@ -48,7 +48,7 @@ STEPS = 10
 
 def optimizer() -> optax.GradientTransformation:
   return optax.chain(
-      jaxcomm.compressed_allreduce(jaxcomm.terngrad(), strategy="two_phase", seed=3),
+      jaxcomm.compressed_allreduce(jaxcomm.compress.terngrad(), strategy="two_phase", seed=3),
       optax.adam(3e-3))
 
 
@@ -78,12 +78,12 @@ def train(mesh, start: int, stop: int, *, restore: str | None = None,
   inputs, labels = (np.asarray(a) for a in teacher_classification(1, per_step * STEPS, 16, 4))
   tx = optimizer()
   params = _global(params, mesh, P())
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   if restore is not None:
     target = {"params": params, "opt_state": checkpoint.abstract_state(tx, params, mesh)}
     restored = checkpoint.restore(restore, target, step=start)
     params, opt_state = restored["params"], restored["opt_state"]
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
   for index in range(start, stop):
     batch = _global((inputs[index * per_step:(index + 1) * per_step],

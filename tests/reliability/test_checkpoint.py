@@ -30,7 +30,7 @@ def test_every_kind_of_state_round_trips_with_its_sharding(tmp_path):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params = {"w": jnp.arange(64.0).reshape(16, 4), "b": jnp.ones(4)}
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.randomk(0.5)), optax.adam(1e-3))
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   state = {
       "opt_state": opt_state,
       "powersgd": jaxcomm.powersgd(2).init((16, 8), jnp.float32),
@@ -169,7 +169,7 @@ def test_a_checkpoint_of_another_method_or_model_shape_is_refused_naming_the_lea
   params = {"w": jnp.ones((16, 4)), "b": jnp.ones(4)}
   topk = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.1)), optax.adam(1e-3))
   checkpoint.save(tmp_path, 1, {"params": params,
-                                "opt_state": jaxcomm.sharded_init(topk, params, mesh)[0]})
+                                "opt_state": jaxcomm.optim.sharded_init(topk, params, mesh)[0]})
   two_phase = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy="two_phase"),
                           optax.adam(1e-3))
   target = {"params": params, "opt_state": checkpoint.abstract_state(two_phase, params, mesh)}

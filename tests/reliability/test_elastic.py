@@ -50,7 +50,7 @@ def _pending_mass(allreduce, hosts, local, sizes):
   masses = []
   for (_, level), size in zip(allreduce.level_states, sizes):
     shard = -(-size // local)
-    if isinstance(level, jaxcomm.ErrorFeedbackState):
+    if isinstance(level, jaxcomm.compress.ErrorFeedbackState):
       residual = np.asarray(level.residual).reshape(hosts, local * shard)[:, :size]
       masses.append(residual.sum(axis=0))
       continue
@@ -64,7 +64,7 @@ def _pending_mass(allreduce, hosts, local, sizes):
 def _saved(tmp_path, strategy):
   mesh = jaxcomm.make_mesh(hosts=SAVED[0], local=SAVED[1])
   tx = _tx(strategy)
-  opt_state, _ = jaxcomm.sharded_init(tx, PARAMS, mesh)
+  opt_state, _ = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)
   opt_state = _with_random_residuals(opt_state)
   checkpoint.save(tmp_path, 7, {"params": PARAMS, "opt_state": opt_state})
   return tx, opt_state
@@ -87,7 +87,7 @@ def _zero_gradient_mean(strategy, mesh, state):
   zeros = lambda: jax.tree.map(
       lambda p: jax.lax.pcast(jnp.zeros_like(p), axes, to="varying"), PARAMS)
   step = jax.jit(jax.shard_map(lambda s: allreduce.update(zeros(), s)[0], mesh=mesh,
-                               in_specs=(jaxcomm.state_specs(allreduce, PARAMS, mesh),),
+                               in_specs=(jaxcomm.optim.state_specs(allreduce, PARAMS, mesh),),
                                out_specs=P()))
   return jax.tree.map(np.asarray, step(state))
 

@@ -147,7 +147,7 @@ def test_compressed_allreduce_names_an_integer_or_bool_leaf(dtype):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(compress.topk(0.5))
   with pytest.raises(TypeError, match=r"params\['a'\]\[1\] must be a float32"):
-    jaxcomm.sharded_init(tx, {"a": [jnp.zeros(3), jnp.zeros(3, dtype)]}, mesh)
+    jaxcomm.optim.sharded_init(tx, {"a": [jnp.zeros(3), jnp.zeros(3, dtype)]}, mesh)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -17,7 +17,7 @@ def residual_bytes_per_device(state) -> dict[str, int]:
   totals = {}
   for levels in state.level_states:
     for index, level_state in enumerate(levels):
-      if isinstance(level_state, jaxcomm.ErrorFeedbackState):
+      if isinstance(level_state, jaxcomm.compress.ErrorFeedbackState):
         parts = {"residual": level_state.residual}
       elif isinstance(level_state, jaxcomm.collectives.TwoPhaseState):
         parts = level_state._asdict()
@@ -40,7 +40,7 @@ def test_residuals_hold_one_shard_of_the_gradient_per_device(strategy, dtype, ex
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy=strategy, feedback="residual",
                                     residual_dtype=dtype)
-  state, _ = jaxcomm.sharded_init(tx, PARAMS, mesh)
+  state, _ = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)
   assert residual_bytes_per_device(state) == expected
   assert sum(expected.values()) <= GRAD_BYTES // 4 * 1.5  # at most one copy of the shard
   for leaf in jax.tree.leaves(state.level_states):
@@ -52,7 +52,7 @@ def test_three_levels_keep_at_most_one_gradient_copy_each():
                        axis_types=(jax.sharding.AxisType.Auto,) * 3)
   tx = jaxcomm.compressed_allreduce(levels=[level("local"), level("host", jaxcomm.topk(0.1)),
                                             level("pod", jaxcomm.sign())])
-  state, _ = jaxcomm.sharded_init(tx, PARAMS, mesh)
+  state, _ = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)
   assert residual_bytes_per_device(state) == {"level1/residual": GRAD_BYTES // 2,
                                               "level2/residual": GRAD_BYTES // 2}
 
@@ -62,7 +62,7 @@ def test_compiled_step_keeps_bf16_residuals_in_half_the_argument_memory():
   sizes = {}
   for dtype in (jnp.float32, jnp.bfloat16):
     tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.01), residual_dtype=dtype)
-    state, specs = jaxcomm.sharded_init(tx, PARAMS, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, PARAMS, mesh)
     step = jax.jit(jax.shard_map(
         lambda s, tx=tx: tx.update(jax.tree.map(jnp.ones_like, PARAMS), s)[1], mesh=mesh,
         in_specs=(specs,), out_specs=specs, check_vma=False))

@@ -102,7 +102,7 @@ def test_skip_costs_one_four_byte_agreement_and_nothing_else():
   reports = {}
   for mode in ("skip", "propagate"):
     tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.2), nonfinite=mode)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
     step = jax.jit(jax.shard_map(
         lambda g, s, tx=tx: tx.update(jax.tree.map(lambda x: x[0], g), s), mesh=mesh,
         in_specs=(P(AXES), specs), out_specs=(P(), specs)))
@@ -120,8 +120,8 @@ def test_a_nan_batch_on_one_device_is_skipped_in_training():
   # Plain SGD: a zero mean gradient leaves the parameters exactly as they were (a momentum
   # method after the allreduce would still move them; see docs/reliability.md).
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.1)), optax.sgd(0.5))
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
   for i in range(30):
     batch_inputs = inputs[i * 128:(i + 1) * 128]
