@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -48,7 +49,8 @@ from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxcomm.collectives.strategies import TwoPhaseState
-from jaxcomm.compress.error_feedback import ErrorFeedbackState
+from jaxcomm.compress.error_feedback import ErrorFeedbackState, EstimateFeedbackState
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
@@ -340,7 +342,7 @@ def _target_mesh(target) -> Mesh | None:
 
 def restore(directory, target, *, step: int | None = None, tx=None, params=None,
             params_spec: PartitionSpec = PartitionSpec(), residuals: str = "sum",
-            verify_files: bool = True) -> Any:
+            shard_over: str | None = None, verify_files: bool = True) -> Any:
   """Reads checkpoint ``step`` (default: the newest good one) laid out like ``target``.
 
   Every process calls it; each reads the shards its devices hold. Each file is first checked
@@ -355,10 +357,19 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   host ``h mod H'`` (two-phase server residuals move to the element's new owner), so the sum
   over hosts of what is pending is exactly conserved; ``'reset'``: zero residuals (the mass
   pending at the checkpoint is dropped). Other per-level state (a compressor's own state, e.g.
-  PowerSGD factors; error feedback's ``finite`` flags) restarts from ``tx.init``. Needs the
+  PowerSGD factors; error feedback's ``finite`` flags) restarts from ``tx.init``; EF21
+  estimates restart at zero together with their mean (``estimates``). Needs the
   two-level topology (dense fast axis, compressed slow axis) on a ``jaxcomm.make_mesh`` mesh
   (``('host', 'local')``, slow axis first). On one host (``H' = 1``) no level is compressed:
   the summed residuals are kept but never sent.
+
+  **Sharded data parallelism** (the :class:`~jaxcomm.TrainState` of
+  ``data_parallel(..., shard_over=axis)`` as ``target``, ``trainer.init(params)``): pass
+  ``shard_over=axis`` with ``tx`` and the full ``params`` too. Each flat leaf of a
+  ``d``-element parameter (parameters, Adam moments) was saved padded to ``G ceil(d/G)``; its
+  first ``d`` entries are restored, zero-padded to ``G' ceil(d/G')``. The residuals follow
+  ``residuals`` as above, each parameter leaf being one bucket (with ``bucket_bytes=``, only
+  ``'reset'``). docs/hsdp.md, "Checkpoints".
 
   Args:
     directory: the checkpoint root given to :func:`save`.
@@ -370,6 +381,8 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
     params: parameters or their shapes, as given to :func:`abstract_state`; with ``tx``.
     params_spec: the ``in_specs`` entry of ``params`` (default replicated); with ``tx``.
     residuals: ``'sum'`` or ``'reset'``, for a restore on another mesh shape.
+    shard_over: ``None``, or the axis a ``data_parallel(..., shard_over=)`` state is sharded
+      over (with ``tx`` and ``params``), for a restore on another mesh shape.
     verify_files: check every file's SHA-256 against the manifest first.
 
   Returns:
@@ -385,6 +398,9 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   directory = _check_directory(directory)
   if residuals not in RESIDUAL_RULES:
     raise ValueError(f"residuals must be one of {', '.join(RESIDUAL_RULES)}; got {residuals!r}.")
+  if shard_over is not None and not isinstance(shard_over, str):
+    raise ValueError(f"shard_over must be None or the name of the mesh axis the state is "
+                     f"sharded over (as given to data_parallel); got {shard_over!r}.")
   if (tx is None) != (params is None):
     raise ValueError("tx and params go together (as for abstract_state): got "
                      f"tx={'set' if tx is not None else None}, "
@@ -407,7 +423,7 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
       error = corrupt
       continue
     return _restore_step(os.path.join(directory, str(candidate)), candidate, manifest, target,
-                         (tx, params, params_spec, residuals))
+                         (tx, params, params_spec, residuals, shard_over))
   raise CorruptCheckpointError(f"every checkpoint under {directory} is corrupt; the oldest: "
                                f"{error}")
 
@@ -416,12 +432,16 @@ def _restore_step(path: str, step: int, manifest, target, elastic) -> Any:
   checkpointer = _orbax().Checkpointer(ocp.StandardCheckpointHandler())
   saved_tree = checkpointer.metadata(path).item_metadata.tree
   saved_mesh, mesh = manifest.get("mesh"), _target_mesh(target)
-  tx, params, params_spec, residuals = elastic
+  tx, params, params_spec, residuals, shard_over = elastic
   moved = saved_mesh is not None and mesh is not None and saved_mesh != dict(mesh.shape)
-  layout = _Layout(tx, params, params_spec, saved_mesh, mesh) if moved and tx else None
+  layout = None
+  if moved and tx and shard_over is not None:
+    layout = _ShardedLayout(tx, params, shard_over, saved_mesh, target)
+  elif moved and tx:
+    layout = _Layout.replicated(tx, params, params_spec, saved_mesh, mesh)
   hint = (f" (saved on mesh {saved_mesh}, the target is on {dict(mesh.shape)}: pass tx= and "
-          f"params= to map compressed_allreduce's device-local residuals.)"
-          if moved and not tx else "")
+          f"params= to map compressed_allreduce's device-local residuals, and shard_over= for "
+          f"the state of data_parallel(..., shard_over=).)" if moved and not tx else "")
   read = layout.saved_target(target) if layout else target
   _check_matches(path, step, saved_tree, read, hint)
   restored = checkpointer.restore(path, args=ocp.args.StandardRestore(
@@ -444,9 +464,13 @@ def _replace_allreduce_states(tree, replacements):
                       tree, is_leaf=_is_allreduce_state)
 
 
+def _abstract_mesh(sizes: dict[str, int]) -> AbstractMesh:
+  return AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+
+
 def _traced_state(tx, params, params_spec, sizes: dict[str, int]):
   """``tx.init``'s state shapes on a mesh of ``sizes`` (an abstract mesh: no devices needed)."""
-  mesh = AbstractMesh(tuple(sizes.values()), tuple(sizes), axis_types=(AxisType.Auto,) * len(sizes))
+  mesh = _abstract_mesh(sizes)
   abstract = jax.tree.map(lambda p: jax.ShapeDtypeStruct(p.shape, p.dtype), params)
   specs = state_specs(tx, abstract, mesh, params_spec)
   return jax.eval_shape(jax.shard_map(tx.init, mesh=mesh, in_specs=(params_spec,),
@@ -484,20 +508,34 @@ def _moved_residual(old: jax.Array, kind: str, saved: tuple[int, int], new: tupl
   return jnp.pad(mass, ((0, 0), (0, 0), (0, new_length - new_shard))).reshape(-1)
 
 
-class _Layout:
-  """compressed_allreduce's level states on the saved mesh and on the target mesh."""
+def _check_two_axes(saved_mesh: dict[str, int], mesh: Mesh) -> None:
+  if tuple(saved_mesh) != tuple(mesh.axis_names) or len(saved_mesh) != 2:
+    raise ValueError(f"mapping residuals to another mesh shape needs the same two mesh axes "
+                     f"(slow, fast) on both: saved {saved_mesh}, target {dict(mesh.shape)}.")
 
-  def __init__(self, tx, params, params_spec, saved_mesh: dict[str, int], mesh: Mesh):
-    if tuple(saved_mesh) != tuple(mesh.axis_names) or len(saved_mesh) != 2:
-      raise ValueError(f"mapping residuals to another mesh shape needs the same two mesh axes "
-                       f"(slow, fast) on both: saved {saved_mesh}, target {dict(mesh.shape)}.")
+
+class _Layout:
+  """compressed_allreduce's level states on the saved mesh and on the target mesh.
+
+  ``saved``, ``elements`` and ``fresh``: the :class:`CompressedAllReduceState` s of ``tx`` traced
+  on the saved mesh, on a mesh of one device (each bucket's gradient size) and initialized on
+  the target mesh.
+  """
+
+  def __init__(self, saved, elements, fresh, saved_mesh: dict[str, int], mesh: Mesh):
+    _check_two_axes(saved_mesh, mesh)
     self.mesh, self.saved_sizes = mesh, tuple(saved_mesh.values())
     self.sizes = tuple(mesh.shape.values())
-    self.saved = _allreduce_states(_traced_state(tx, params, params_spec, saved_mesh))
-    self.elements = _allreduce_states(_traced_state(tx, params, params_spec,
-                                                    dict.fromkeys(saved_mesh, 1)))
+    self.saved, self.elements, self.fresh = saved, elements, fresh
+
+  @classmethod
+  def replicated(cls, tx, params, params_spec, saved_mesh: dict[str, int], mesh: Mesh):
     zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params)
-    self.fresh = _allreduce_states(sharded_init(tx, zeros, mesh, params_spec)[0])
+    return cls(_allreduce_states(_traced_state(tx, params, params_spec, saved_mesh)),
+               _allreduce_states(_traced_state(tx, params, params_spec,
+                                               dict.fromkeys(saved_mesh, 1))),
+               _allreduce_states(sharded_init(tx, zeros, mesh, params_spec)[0]), saved_mesh,
+               mesh)
 
   def _placement(self, shape) -> NamedSharding:
     spread = len(shape) > 0 and shape[0] % self.mesh.size == 0
@@ -515,13 +553,18 @@ class _Layout:
         saved.level_states)) for node, saved in zip(nodes, self.saved)])
 
   def mapped(self, restored, residuals: str):
-    """``restored`` (saved shapes) with its level states laid out for the target mesh."""
-    return _replace_allreduce_states(restored, [
-        node._replace(level_states=tuple(
-            self._bucket(old, new, unit, residuals)
-            for old, new, unit in zip(node.level_states, fresh.level_states,
-                                      units.level_states)))
-        for node, fresh, units in zip(_allreduce_states(restored), self.fresh, self.elements)])
+    """``restored`` (saved shapes) with its level states laid out for the target mesh. A
+    bucket with EF21 estimates restarts them, and their mean in ``estimates`` with them, so
+    the mean stays the mean of the devices' estimates."""
+    nodes = []
+    for node, fresh, units in zip(_allreduce_states(restored), self.fresh, self.elements):
+      levels = tuple(self._bucket(old, new, unit, residuals) for old, new, unit
+                     in zip(node.level_states, fresh.level_states, units.level_states))
+      estimates = tuple(
+          new if any(isinstance(state, EstimateFeedbackState) for state in bucket) else old
+          for old, new, bucket in zip(node.estimates, fresh.estimates, fresh.level_states))
+      nodes.append(node._replace(level_states=levels, estimates=estimates))
+    return _replace_allreduce_states(restored, nodes)
 
   def _move(self, old, new, kind: str, elements: int) -> jax.Array:
     length = new.shape[0] // self.mesh.size
@@ -545,3 +588,126 @@ class _Layout:
           self._move(old.worker_residual, new.worker_residual, "worker", elements),
           self._move(old.server_residual, new.server_residual, "server", elements))
     return (), new
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2), static_argnames="sharding")
+def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.Array:
+  """The first ``elements`` entries of ``flat``, zero-padded to ``length``, on ``sharding``."""
+  return jax.lax.with_sharding_constraint(jnp.pad(flat[:elements], (0, length - elements)),
+                                          sharding)
+
+
+def _check_flat_shards(target, axis: str, saved_mesh: dict[str, int]) -> None:
+  """Refuses a target :func:`restore` cannot map onto another mesh shape under
+  ``shard_over``: not a ``TrainState``, per-host or dimension-split parameters."""
+  if not (hasattr(target, "params") and hasattr(target, "opt_state")):
+    raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
+                     "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
+                     f"got {type(target).__name__}.")
+  if axis not in saved_mesh:
+    raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
+  for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
+    spec = getattr(getattr(leaf, "sharding", None), "spec", ())
+    if len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1:
+      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps parameters "
+                       f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
+                       f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
+                       "mesh shape.")
+    if len(leaf.shape) != 1:
+      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
+                       f"params{jax.tree_util.keystr(path)} is split along a dimension "
+                       f"(shape {tuple(leaf.shape)}): restore on the saved mesh shape.")
+
+
+class _ShardedLayout:
+  """A ``data_parallel(..., shard_over=axis)`` :class:`~jaxcomm.TrainState` saved on one mesh
+  shape, laid out for ``target``'s.
+
+  Every flat leaf (parameters and the optimizer state shaped like them, e.g. Adam moments)
+  of a ``d``-element parameter was saved zero-padded to ``G ceil(d/G)``: its first ``d``
+  entries are kept and zero-padded to ``G' ceil(d/G')`` (what lies beyond ``d`` is padding the
+  loss never reads). compressed_allreduce's level states follow ``residuals`` by
+  :class:`_Layout`: device ``(h, i)``'s slow-level residual covers elements
+  ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of host ``h``'s leaf, which is the replicated path's
+  layout after its reduce-scatter with the leaf as the bucket.
+  """
+
+  def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
+    _check_flat_shards(target, axis, saved_mesh)
+    self.mesh, self.target, self.axis = _target_mesh(target), target, axis
+    leaves, self.treedef = jax.tree.flatten(params)
+    layout = hsdp.ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis,
+                              (None,) * len(leaves))
+    self.tx, self.spec = hsdp.on_shards(tx, layout), PartitionSpec(axis)
+    self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
+    self.saved_group = saved_mesh[axis]
+    self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)
+    self.saved_specs = state_specs(self.tx, self._shards(self.saved_group),
+                                   _abstract_mesh(saved_mesh), self.spec)
+    if jax.tree.structure(self.saved) != jax.tree.structure(target.opt_state):
+      raise ValueError(
+          f"shard_over={axis!r}: tx's state has another structure on the saved mesh "
+          f"{saved_mesh} than on the target mesh {dict(self.mesh.shape)} (e.g. PowerSGD "
+          "factorizes a leaf whose columns split over one fast-axis size but not the other, "
+          "and sends it dense there): restore onto a mesh whose fast axis splits the same "
+          "leaves.")
+    self.unit = _traced_state(self.tx, self._shards(1), self.spec, dict.fromkeys(saved_mesh, 1))
+    zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype),
+                         self._shards(self.mesh.shape[axis]))
+    fresh = sharded_init(self.tx, zeros, self.mesh, self.spec)[0]
+    self.allreduce = _Layout(_allreduce_states(self.saved), _allreduce_states(self.unit),
+                             _allreduce_states(fresh), saved_mesh, self.mesh)
+
+  def _shards(self, group: int):
+    return self.treedef.unflatten([jax.ShapeDtypeStruct((group * -(-size // group),), dtype)
+                                   for size, dtype in self.leaves])
+
+  def saved_target(self, target):
+    place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
+                                           sharding=self.allreduce._placement(s.shape))
+    return target._replace(params=jax.tree.map(place, self._shards(self.saved_group)),
+                           opt_state=jax.tree.map(place, self.saved))
+
+  def _leaf(self, residuals: str, value, saved, saved_spec, target):
+    """One leaf laid out like ``target``. A 1-D leaf sharded over the axis on the saved mesh is
+    a flat shard of some parameter of ``d`` elements, saved with ``L >= d`` entries per host
+    and wanted with ``L' >= d``: replicated over the slow axis (parameters, Adam moments), its
+    first ``min(L, L')`` entries are kept and zero-padded; per host (PowerSGD's residual) it
+    is mapped by ``residuals`` as an error-feedback residual of ``min(L, L')`` elements
+    (:func:`_moved_residual`); either way the ``d`` real entries are exact. A
+    compressed_allreduce state (mapped already) or any other leaf is kept as it is (e.g.
+    PowerSGD's ``Q``, replicated over hosts: its rows are re-sharded)."""
+    if _is_allreduce_state(value):
+      return value
+    sharding = getattr(target, "sharding", None)
+    over = saved_spec[0] if len(saved_spec) else None
+    over = over if isinstance(over, tuple) else (over,)
+    if len(saved.shape) != 1 or self.axis not in over:
+      return jax.device_put(value, sharding)
+    if over == (self.axis,):
+      kept = min(saved.shape[0], target.shape[0])
+      return _repadded(value, kept, target.shape[0], sharding=sharding)
+    if residuals == "reset":
+      return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
+    (hosts, _), (new_hosts, _) = self.allreduce.saved_sizes, self.allreduce.sizes
+    kept = min(saved.shape[0] // hosts, target.shape[0] // new_hosts)
+    moved = _moved_residual(value, "flat", self.allreduce.saved_sizes, self.allreduce.sizes,
+                            kept, target.shape[0] // self.mesh.size)
+    return jax.device_put(moved.astype(target.dtype), sharding)
+
+  def mapped(self, restored, residuals: str):
+    """``restored`` (saved shapes) laid out like the target."""
+    buckets = {len(node.level_states) for node in _allreduce_states(self.unit)}
+    if residuals == "sum" and buckets - {len(self.leaves)}:
+      raise ValueError("restore(..., shard_over=, residuals='sum') maps one residual per "
+                       f"parameter leaf ({len(self.leaves)}); this compressed_allreduce packs "
+                       f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
+    opt_state = self.allreduce.mapped(restored.opt_state, residuals)
+    params = [_repadded(value, size, target.shape[0], sharding=target.sharding)
+              for value, (size, _), target in zip(jax.tree.leaves(restored.params), self.leaves,
+                                                  jax.tree.leaves(self.target.params))]
+    return restored._replace(
+        params=self.treedef.unflatten(params),
+        opt_state=jax.tree.map(functools.partial(self._leaf, residuals), opt_state, self.saved,
+                               self.saved_specs, self.target.opt_state,
+                               is_leaf=_is_allreduce_state))

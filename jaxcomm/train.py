@@ -47,7 +47,10 @@ class Trainer(NamedTuple):
   """What :func:`data_parallel` returns.
 
   Attributes:
-    init: ``init(params_or_module) -> TrainState``, every leaf placed on the mesh.
+    init: ``init(params_or_module, specs=None) -> TrainState``, every leaf placed on the
+      mesh. With ``shard_over``, ``specs`` (a ``PartitionSpec`` pytree like the parameters)
+      or, for an ``nnx.Module``, its ``nnx.with_partitioning`` annotations choose the
+      dimension each leaf is split along (docs/hsdp.md).
     step: ``step(state, batch) -> (state, loss)``: one jitted step, ``loss`` the mean over
       devices; ``step.lower(state, batch)`` lowers it (for :func:`jaxcomm.accounting.measure`)
       and ``step.wait()`` blocks until every dispatched step has finished.
@@ -111,6 +114,21 @@ def split_params(model):
     ValueError: the module holds variables other than ``nnx.Param`` (batch statistics, Rngs).
   """
   return _split_module(model)
+
+
+def _placed(tx, params, graphdef, specs, mesh: Mesh, shard_over: str | None):
+  """``(params, opt_state, layout)`` on ``mesh``: replicated (``layout`` ``None``), or
+  sharded over ``shard_over`` as ``specs`` or the module's ``nnx.with_partitioning``
+  annotations say (:func:`jaxcomm.optim.hsdp.init_sharded`)."""
+  if shard_over is None:
+    if specs is not None:
+      raise ValueError("init(..., specs=) places parameter shards: it needs "
+                       "data_parallel(..., shard_over=); got shard_over=None.")
+    params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return params, sharded_init(tx, params, mesh)[0], None
+  if specs is None and graphdef is not None:
+    specs = nnx.get_partition_spec(params)
+  return hsdp.init_sharded(tx, params, specs, mesh, shard_over)
 
 
 class _Dispatcher:
@@ -210,9 +228,12 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       leaf of ``d`` elements is kept as a flat ``ceil(d/G)`` shard (zero-padded, exactly);
       per step and leaf the fast axis carries an all-gather and a reduce-scatter,
       ``(G-1)/G * 4 G ceil(d/G)`` bytes each, and ``tx`` only crosses the other axes with the shard.
-      ``tx`` must be elementwise on shards: a transformation that needs a leaf's shape
-      (adafactor, PowerSGD) or averages over ``shard_over`` itself (``jaxcomm.dgc``) is a
-      ``ValueError`` at ``init``.
+      A leaf whose ``PartitionSpec`` (``init(params, specs=)``, or an ``nnx.with_partitioning``
+      annotation) names ``shard_over`` on one dimension is split along it instead (that
+      dimension must be a multiple of ``G``); naming another axis is a ``ValueError``.
+      ``tx`` must be elementwise on shards (PowerSGD factorizes column blocks): a
+      transformation that needs a leaf's shape (adafactor, gradzip) or averages over
+      ``shard_over`` itself (``jaxcomm.dgc``) is a ``ValueError`` at ``init``.
 
   Returns:
     A :class:`Trainer` ``(init, step, model)``.
@@ -229,13 +250,11 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
   key = _check_key(key)
   if shard_over is not None:
     shard_over = hsdp.check_shard_axis(mesh, shard_over)
-    tx = hsdp.on_shards(tx, shard_over)
   if max_in_flight is None and mesh.devices.flat[0].platform == "cpu":
     max_in_flight = 1
   axes = tuple(mesh.axis_names)
   batch_spec = PartitionSpec(axes) if batch_spec is None else batch_spec
   replicated = NamedSharding(mesh, PartitionSpec())
-  params_spec = PartitionSpec() if shard_over is None else PartitionSpec(shard_over)
   # The nnx.Module given to the latest init (if any) and, with shard_over, its shard layout.
   module = {"graphdef": None, "layout": None}
 
@@ -247,10 +266,18 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       params = hsdp.gather_params(params, module["layout"])
     return loss_fn(as_model(params), *args)
 
+  def sharded_tx() -> optax.GradientTransformation:
+    if shard_over is None:
+      return tx
+    return hsdp.on_shards(tx, module["layout"])
+
   def build(params, with_key: bool) -> Callable:
-    specs = TrainState(params_spec, state_specs(tx, params, mesh, params_spec),
+    step_tx = sharded_tx()
+    params_spec = (PartitionSpec() if shard_over is None
+                   else hsdp.layout_specs(params, module["layout"]))
+    specs = TrainState(params_spec, state_specs(step_tx, params, mesh, params_spec),
                        PartitionSpec() if with_key else None)
-    per_device = device_step(loss_of_params, tx, axes)
+    per_device = device_step(loss_of_params, step_tx, axes)
 
     def step(state: TrainState, batch):
       if not with_key:
@@ -264,23 +291,19 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, batch_spec),
                                  out_specs=(specs, PartitionSpec())))
 
-  def init(model) -> TrainState:
+  def init(model, specs=None) -> TrainState:
     graphdef, params = _split_module(model)
     check_float_tree(params, "params")
-    if shard_over is None:
-      params, layout = jax.device_put(params, replicated), None
-      opt_state, _ = sharded_init(tx, params, mesh)
-    else:
-      params, layout = hsdp.shard_params(params, mesh, shard_over)
-      opt_state, _ = hsdp.init_on_shards(tx, params, mesh, shard_over)
+    params, opt_state, layout = _placed(tx, params, graphdef, specs, mesh, shard_over)
     module["graphdef"], module["layout"] = graphdef, layout
     return TrainState(params, opt_state, None if key is None else jax.device_put(key, replicated))
 
   def model(state: TrainState):
     if shard_over is None:
       return as_model(state.params)
-    return as_model(jax.jit(hsdp.unshard_params, static_argnums=1,
-                            out_shardings=replicated)(state.params, module["layout"]))
+    copies = mesh.size // mesh.shape[shard_over]
+    return as_model(jax.jit(hsdp.unshard_params, static_argnums=(1, 2),
+                            out_shardings=replicated)(state.params, module["layout"], copies))
 
   return Trainer(init, _Step(build, lambda: (module["graphdef"], module["layout"]),
                              _Dispatcher(max_in_flight), watchdog), model)

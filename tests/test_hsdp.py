@@ -5,6 +5,7 @@ runs the compressors that work on shards and refuses the rest by name."""
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 from flax import nnx
@@ -176,18 +177,152 @@ def test_onebit_adam_runs_on_shards_and_equals_its_replicated_run():
   chex.assert_trees_all_close(sharded.model(state), replicated.model(rep_state), atol=1e-5)
 
 
+def _powersgd_problem():
+  """w: PowerSGD's (out, rest) matrix 8 x 16 (16 columns split over G = 2, 4, 8); b: dense;
+  v: 6 x 5, factorized replicated but sent dense on shards of G = 4 (6 columns)."""
+  shapes = {"w": (16, 8), "b": (8,), "v": (6, 5)}
+  params = {name: 0.3 * jax.random.normal(jax.random.key(i), shape)
+            for i, (name, shape) in enumerate(shapes.items())}
+  batch = (jax.random.normal(jax.random.key(9), (32, 16)),
+           jax.random.normal(jax.random.key(8), (32, 8)))
+  loss_fn = lambda p, batch: (jnp.mean((batch[0] @ p["w"] + p["b"] - batch[1]) ** 2)
+                              + jnp.mean(p["v"] ** 2))
+  return params, loss_fn, batch
+
+
+def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
+  """w (16 x 8, PowerSGD's (out, rest) = 8 x 16 matrix, 16 columns over G = 4): factorized by
+  column blocks, equal to the replicated PowerSGD; b (too small) dense in both; v (6 x 5: 6
+  columns, not a multiple of 4) factorized replicated but sent dense on shards. Bytes per axis
+  from the compiled HLO equal the formulas of ``hsdp.powersgd_on_shards``."""
+  hosts, local, m, columns = 2, 4, 8, 16 // 4
+  params, loss_fn, batch = _powersgd_problem()
+  mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+  trained = {}
+  for shard_over in (None, "local"):
+    tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.powersgd(1)),
+                     optax.sgd(0.1, momentum=0.9))
+    trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over)
+    state = trainer.init(params)
+    losses = []
+    for _ in range(3):
+      state, loss = trainer.step(state, batch)
+      losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    trained[shard_over] = trainer.model(state)
+  chex.assert_trees_all_close({k: trained["local"][k] for k in "wb"},
+                              {k: trained[None][k] for k in "wb"}, atol=1e-6)
+  assert [type(leaf).__name__ for leaf in state.opt_state[0].inner.leaves] == [
+      "tuple", "tuple", "PowerSGDLeafState"]  # b, v dense; w factorized
+  assert state.opt_state[0].inner.leaves[2].q.sharding.spec == P("local")
+  report = jaxcomm.accounting.report_from_hlo(
+      trainer.step.lower(state, batch).compile().as_text(), mesh).bytes_per_axes()
+  fast, slow = 2 * (local - 1) / local * 4, 2 * (hosts - 1) / hosts * 4
+  padded = [_padded(8, local), _padded(30, local), _padded(128, local)]
+  # all-gather + reduce-scatter of each leaf; P (m x 1) summed over the host; the column
+  # norm of Q (1 float) and the finite flag (int32) agreed in the host.
+  assert report[("local",)] == pytest.approx(fast * sum(padded) + fast * m + fast + fast)
+  # P and this device's rows of Q across hosts; b's and v's shards dense.
+  assert report[("host",)] == pytest.approx(slow * (m + columns) + slow * (8 + 32) / local)
+  assert report[("host", "local")] == pytest.approx(2 * 2 * (8 - 1) / 8 * 4)
+
+
+PERIODIC = {"local_sgd": lambda: jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), 2),
+            "diloco": lambda: jaxcomm.diloco(optax.adamw(1e-2), 2),
+            "slowmo": lambda: jaxcomm.slowmo(optax.sgd(0.1), 2, 0.1)}
+
+
+def test_dgc_on_shards_equals_its_replicated_run():
+  """dgc(fast_axis='local') already works on the host-mean 1/G shard of each padded leaf:
+  under shard_over it skips its own reduce-scatter and all-gather and equals the replicated
+  run (momentum, velocity and the two-phase server residual per shard; clipping on the
+  host's norm). The gather strategy differs only inside the unchanged exchange."""
+  strategy = "two_phase"
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = lambda: optax.chain(jaxcomm.dgc(0.5, fast_axis="local", strategy=strategy,
+                                       clip_norm=1.0), optax.sgd(0.1))
+  replicated, rep_state, _ = _train(tx(), mesh, None, steps=3)
+  sharded, state, losses = _train(tx(), mesh, "local", steps=3)
+  chex.assert_trees_all_close(sharded.model(state), replicated.model(rep_state), atol=1e-6)
+  assert losses[-1] < losses[0]
+
+
+def _hosts_as_workers(make, params, loss_fn, batches):
+  """The reference: the same algorithm on a 2 x 1 mesh of device-local models, each device
+  a whole host (its batch is the host's: the batch split over 2 devices, not 8)."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=1, devices=jax.devices()[:2])
+  tx = make()
+  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
+  opt_state, specs = jaxcomm.sharded_init(tx, local, mesh, P(("host", "local")))
+  step = jaxcomm.optim.local_training_step(
+      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
+  for batch in batches:
+    local, opt_state, _ = step(local, opt_state, batch)
+  return jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+
+
+@pytest.mark.parametrize("name", sorted(PERIODIC))
+def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(name):
+  """Local SGD, DiLoCo, SlowMo (period 2, 4 steps: two synchronizations) under
+  shard_over: each host keeps its own flat shards (P(('host', 'local'))), a host's G devices
+  together are one worker; the mean model equals the same algorithm run with one device per
+  host holding the whole model."""
+  params, loss_fn, (inputs, targets) = _problem()
+  batches = [(inputs * (1 + 0.1 * t), targets) for t in range(4)]
+  trainer = jaxcomm.data_parallel(loss_fn, PERIODIC[name](), jaxcomm.make_mesh(hosts=2, local=4),
+                                  shard_over="local")
+  state = trainer.init(params)
+  for batch in batches:
+    state, _ = trainer.step(state, batch)
+  assert state.params["w"].shape == (2 * 16,)
+  assert state.params["w"].sharding.spec == P(("host", "local"))
+  got = jax.tree.map(np.asarray, trainer.model(state))
+  chex.assert_trees_all_close(got, _hosts_as_workers(PERIODIC[name], params, loss_fn, batches),
+                              atol=1e-6)
+
+
+def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
+  """SparseLoCo's hosts already split their pseudo-gradient into 1/G shards; under
+  shard_over the shards are the model's, so it skips its fast-axis mean, reduce-scatter and
+  all-gather and equals its device-local run on the same 2x4 mesh (period 2, 4 steps, 2-bit
+  top-k chunks of the same shards)."""
+  params, loss_fn, (inputs, targets) = _problem()
+  batches = [(inputs * (1 + 0.1 * t), targets) for t in range(4)]
+  make = lambda: jaxcomm.sparseloco(optax.adamw(1e-2), 2, density=0.5)
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  trainer = jaxcomm.data_parallel(loss_fn, make(), mesh, shard_over="local")
+  state = trainer.init(params)
+  for batch in batches:
+    state, _ = trainer.step(state, batch)
+  assert state.params["w"].sharding.spec == P(("host", "local"))
+  tx = make()
+  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
+  opt_state, specs = jaxcomm.sharded_init(tx, local, mesh, P(("host", "local")))
+  step = jaxcomm.optim.local_training_step(
+      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
+  for batch in batches:
+    local, opt_state, _ = step(local, opt_state, batch)
+  reference = jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)), reference,
+                              atol=1e-6)
+
+
+def test_streaming_diloco_runs_on_per_host_shards():
+  """Its 4-bit quantized sync quantizes each device's shard in its own chunk, not the
+  whole leaf, so it is not compared; it trains."""
+  tx = jaxcomm.streaming_diloco(optax.adamw(3e-2), 4, fragments=2)
+  _, state, losses = _train(tx, jaxcomm.make_mesh(hosts=2, local=4), "local", steps=8)
+  assert state.params["w"].sharding.spec == P(("host", "local"))
+  assert losses[-1] < losses[0]
+
+
 REFUSED = {
-    "dgc": (lambda: jaxcomm.dgc(0.5, fast_axis="local"), "reduce_scatter|psum"),
-    "powersgd": (lambda: optax.chain(jaxcomm.compressed_allreduce(jaxcomm.powersgd(1)),
-                                     optax.sgd(0.1)), "PowerSGD"),
+    "dgc": (lambda: jaxcomm.dgc(0.5), "dgc needs fast_axis='local'"),
+    "gradzip": (lambda: optax.chain(jaxcomm.compressed_allreduce(jaxcomm.compress.gradzip(1)),
+                                    optax.sgd(0.1)), "whole-leaf matrix compressor"),
     "adafactor": (lambda: optax.chain(jaxcomm.compressed_allreduce(),
                                       optax.adafactor(1e-2, min_dim_size_to_factor=2)),
                   "adafactor"),
-    "local_sgd": (lambda: jaxcomm.local_sgd(optax.sgd(0.1), 2), "local_sgd"),
-    "diloco": (lambda: jaxcomm.diloco(optax.adamw(1e-2), 2), "diloco"),
-    "streaming_diloco": (lambda: jaxcomm.streaming_diloco(optax.adamw(1e-2), 4), "diloco"),
-    "slowmo": (lambda: jaxcomm.slowmo(optax.sgd(0.1), 2, 0.1), "slowmo"),
-    "sparseloco": (lambda: jaxcomm.sparseloco(optax.adamw(1e-2), 2), "per-device parameters"),
     "zero_one_adam": (lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2),
                       "zero_one_adam needs device-loc"),
     "no_allreduce": (lambda: optax.adamw(1e-2), "differ across mesh axes"),
@@ -240,3 +375,162 @@ def test_sharded_state_saves_and_restores_bit_identically(tmp_path):
   for _ in range(2):
     restored, _ = trainer.step(restored, batch)
   chex.assert_trees_all_equal(restored, state)
+
+
+def _pending(residual, hosts, local, size):
+  """Per element of a leaf of ``size``: the error-feedback mass pending, summed over hosts."""
+  shard = -(-size // local)
+  flat = jnp.asarray(residual).reshape(hosts, local, -1)[:, :, :shard].reshape(hosts, -1)
+  return flat[:, :size].sum(axis=0)
+
+
+RESTORED = {  # method -> (problem, compressor)
+    "topk": (_problem, lambda: jaxcomm.topk(0.5)),
+    "powersgd": (_powersgd_problem, lambda: jaxcomm.powersgd(1)),
+}
+
+
+def _residuals(opt_state, method):
+  """``(warm starts and counters, [(residual, leaf index)])`` of the allreduce state."""
+  allreduce = opt_state[0]
+  if method == "topk":
+    return ((allreduce.key, allreduce.count),
+            [(level.residual, i) for i, (_, level) in enumerate(allreduce.level_states)])
+  leaves = allreduce.inner.leaves
+  return (([leaf.q for leaf in leaves if leaf], allreduce.inner.count),
+          [(leaf.residual, i) for i, leaf in enumerate(leaves) if leaf])
+
+
+@pytest.mark.parametrize("method,hosts,local", [("topk", 4, 2), ("powersgd", 1, 8)])
+def test_a_sharded_checkpoint_restores_onto_another_mesh_shape(tmp_path, method, hosts, local):
+  """Saved on 2x4 (shards padded to multiples of 4), restored on 4x2 / 1x8: parameters and
+  Adam moments un-padded and re-padded exactly, the residual mass pending for every element
+  (summed over hosts) conserved bit for bit (top-k's error feedback; PowerSGD's residual of
+  its column block), counters, keys and PowerSGD's Q kept; it then trains."""
+  problem, compressor = RESTORED[method]
+  params, loss_fn, batch = problem()
+  tx = optax.chain(jaxcomm.compressed_allreduce(compressor(), feedback="residual"),
+                   optax.adamw(3e-2))
+  saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                        shard_over="local")
+  saved = saved_trainer.init(params)
+  for _ in range(2):
+    saved, _ = saved_trainer.step(saved, batch)
+  jaxcomm.checkpoint.save(tmp_path, 2, saved)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=hosts, local=local),
+                                  shard_over="local")
+  state = jaxcomm.checkpoint.restore(tmp_path, trainer.init(params), tx=tx, params=params,
+                                     shard_over="local")
+  chex.assert_trees_all_equal(trainer.model(state), saved_trainer.model(saved))
+  sizes = [leaf.size for leaf in jax.tree.leaves(params)]
+  for new, old, size in zip(jax.tree.leaves(state.opt_state[1]),
+                            jax.tree.leaves(saved.opt_state[1]), [1] + sizes * 2):
+    if new.ndim:  # AdamW's mu and nu, leaf by leaf: same entries, padding zero
+      assert new.shape == (_padded(size, local),)
+      assert new.sharding.shard_shape(new.shape) == (_padded(size, local) // local,)
+      chex.assert_trees_all_equal(new[:size], old[:size])
+      assert not jnp.any(new[size:])
+  (kept, new_residuals), (old_kept, old_residuals) = (_residuals(state.opt_state, method),
+                                                      _residuals(saved.opt_state, method))
+  chex.assert_trees_all_equal(kept, old_kept)
+  pending = 0
+  for (new, index), (old, _) in zip(new_residuals, old_residuals):
+    mass = _pending(old, 2, 4, sizes[index])
+    chex.assert_trees_all_equal(_pending(new, hosts, local, sizes[index]), mass)
+    pending += int(jnp.count_nonzero(mass))
+  assert pending > 5  # mass was pending (top-k: leaf b's 1-element shards send it all)
+  _, loss = trainer.step(state, batch)
+  assert jnp.isfinite(loss)
+
+
+def test_ef21_estimates_restart_with_their_mean_on_another_mesh_shape(tmp_path):
+  """EF21 keeps each device's estimate and their mean: both restart at zero together (a
+  re-laid-out mean with zeroed estimates would no longer be their mean)."""
+  params, loss_fn, batch = _problem()
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.5), feedback="estimate"),
+                   optax.sgd(0.1))
+  saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                        shard_over="local")
+  saved, _ = saved_trainer.step(saved_trainer.init(params), batch)
+  assert any(jnp.any(mean) for mean in saved.opt_state[0].estimates)
+  jaxcomm.checkpoint.save(tmp_path, 1, saved)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=4, local=2),
+                                  shard_over="local")
+  state = jaxcomm.checkpoint.restore(tmp_path, trainer.init(params), tx=tx, params=params,
+                                     shard_over="local")
+  chex.assert_trees_all_equal(trainer.model(state), saved_trainer.model(saved))
+  allreduce = state.opt_state[0]
+  assert not any(jnp.any(leaf) for leaf in jax.tree.leaves((allreduce.estimates, [
+      level.estimate for _, level in allreduce.level_states])))
+
+
+def test_restore_with_a_bad_shard_over_names_it(tmp_path):
+  with pytest.raises(ValueError, match=r"shard_over must be None or the name.*got 3"):
+    jaxcomm.checkpoint.restore(tmp_path, {}, shard_over=3)
+
+
+class _Annotated(nnx.Module):
+  """Kernels annotated with ``nnx.with_partitioning``: one split by rows, one by columns."""
+
+  def __init__(self, rngs):
+    init = nnx.initializers.lecun_normal()
+    self.hidden = nnx.Linear(8, 12, rngs=rngs,
+                             kernel_init=nnx.with_partitioning(init, ("local", None)))
+    self.out = nnx.Linear(12, 4, rngs=rngs,
+                          kernel_init=nnx.with_partitioning(init, (None, "local")))
+
+  def __call__(self, x):
+    return self.out(jnp.tanh(self.hidden(x)))
+
+
+def test_nnx_partitioning_annotations_and_a_spec_tree_split_those_dimensions():
+  """The annotated kernels are stored split along the named dimension, moments too;
+  unannotated biases stay flat shards; with AdamW at full precision the run equals the
+  replicated one. A PartitionSpec tree splits a plain pytree the same way."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  batch = (jax.random.normal(jax.random.key(0), (32, 8)),
+           jax.random.normal(jax.random.key(1), (32, 4)))
+  with jax.set_mesh(mesh):
+    module = _Annotated(nnx.Rngs(0))
+  loss_fn = lambda m, batch: jnp.mean((m(batch[0]) - batch[1]) ** 2)
+  tx = lambda: optax.chain(jaxcomm.compressed_allreduce(), optax.adamw(3e-2))
+  trained = {}
+  for shard_over in (None, "local"):
+    trainer = jaxcomm.data_parallel(loss_fn, tx(), mesh, shard_over=shard_over)
+    state = trainer.init(nnx.clone(module))
+    for _ in range(3):
+      state, _ = trainer.step(state, batch)
+    trained[shard_over] = nnx.state(trainer.model(state), nnx.Param)
+  chex.assert_trees_all_close(trained["local"], trained[None], atol=1e-6)
+  params = state.params
+  assert params["hidden"]["kernel"].sharding.shard_shape((8, 12)) == (2, 12)
+  assert params["out"]["kernel"].sharding.spec == P(None, "local")
+  assert params["out"]["kernel"].sharding.shard_shape((12, 4)) == (12, 1)
+  assert params["hidden"]["bias"].sharding.spec == P("local")  # flat shard
+  mu = state.opt_state[1][0].mu["out"]["kernel"]
+  assert mu.sharding.shard_shape(mu.shape) == (12, 1)  # the moment of this device's columns
+
+  # The same split given as a PartitionSpec tree for a plain pytree.
+  plain = {"w": 0.3 * jax.random.normal(jax.random.key(2), (8, 4)), "b": jnp.zeros(3)}
+  trainer = jaxcomm.data_parallel(lambda p, batch: 0.0, tx(), mesh, shard_over="local")
+  state = trainer.init(plain, specs={"w": P(None, "local"), "b": P()})
+  assert state.params["w"].shape == (8, 4)
+  assert state.params["w"].sharding.shard_shape((8, 4)) == (8, 1)
+  assert state.params["b"].shape == (4,)  # flat, padded
+  chex.assert_trees_all_equal(trainer.model(state), plain)
+
+
+@pytest.mark.parametrize("specs,shard_over,message", [
+    ({"w": P("model"), "b": P(), "c": P()}, "local", "names 'model', which the mesh lacks"),
+    ({"w": P("host"), "b": P(), "c": P()}, "local", "replicated over the other axes"),
+    ({"w": P("local", None), "b": P(), "c": P()}, "local", "which does not divide 5"),
+    ({"w": P("local", "local"), "b": P(), "c": P()}, "local", "at most one of the 2"),
+    ({"w": P()}, "local", "one PartitionSpec per parameter leaf"),
+    ({"w": P(), "b": P(), "c": P()}, None, "needs data_parallel"),
+])
+def test_bad_parameter_specs_are_refused_naming_the_leaf(specs, shard_over, message):
+  params, loss_fn, _ = _problem()
+  trainer = jaxcomm.data_parallel(loss_fn, optax.sgd(0.1), jaxcomm.make_mesh(hosts=2, local=4),
+                                  shard_over=shard_over)
+  with pytest.raises(ValueError, match=message):
+    trainer.init(params, specs=specs)

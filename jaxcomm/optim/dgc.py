@@ -18,6 +18,7 @@ from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
 from jaxcomm.keys import unread_key
 from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.optim import hsdp
 from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 
 PAPER_WARMUP = (0.25, 0.0625, 0.015625, 0.004)  # sparsity 75%, 93.75%, 98.4375%, 99.6%
@@ -147,15 +148,23 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
 
 
 class _Topology(NamedTuple):
-  """Where DGC runs: every mesh axis, the workers' axes, the dense fast axis and its size."""
+  """Where DGC runs: every mesh axis, the workers' axes, the dense fast axis and its size;
+  ``prescattered``: under ``data_parallel(..., shard_over=fast_axis)`` each gradient already
+  is this device's shard of the host mean and updates stay shards (no reduce-scatter, no
+  all-gather: :func:`jaxcomm.optim.hsdp.sharded_leaves`)."""
   axes: tuple[str, ...]
   workers: tuple[str, ...]
   fast_axis: str | None
   group: int  # devices per worker, G
+  prescattered: bool = False
 
 
 def _topology(fast_axis: str | None, caller: str) -> _Topology:
   axes = manual_axes(caller)
+  shards = hsdp.sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
+                     f"so dgc needs fast_axis={shards.axis!r}; got fast_axis={fast_axis!r}.")
   if fast_axis is None:
     return _Topology(axes, axes, None, 1)
   require_axes((fast_axis,), caller)
@@ -163,11 +172,13 @@ def _topology(fast_axis: str | None, caller: str) -> _Topology:
   if not workers:
     raise ValueError(f"{caller}: fast_axis={fast_axis!r} is the only mesh axis, which leaves "
                      "no axis to exchange over; use fast_axis=None for DGC over its devices.")
-  return _Topology(axes, workers, fast_axis, jax.lax.axis_size(fast_axis))
+  return _Topology(axes, workers, fast_axis, jax.lax.axis_size(fast_axis), shards is not None)
 
 
 def _shard_shape(leaf, topo: _Topology) -> tuple[int, ...]:
-  return leaf.shape if topo.fast_axis is None else (-(-leaf.size // topo.group),)
+  if topo.fast_axis is None or topo.prescattered:
+    return leaf.shape
+  return (-(-leaf.size // topo.group),)
 
 
 def _init_state(params, topo: _Topology, strategy: str) -> DGCState:
@@ -182,7 +193,7 @@ def _init_state(params, topo: _Topology, strategy: str) -> DGCState:
 
 def _host_mean_shard(grad, topo: _Topology):
   """This device's shard of the mean of ``grad`` over ``fast_axis`` (reduce-scatter)."""
-  if topo.fast_axis is None:
+  if topo.fast_axis is None or topo.prescattered:
     return grad
   flat = grad.reshape(-1) / topo.group
   flat = jnp.pad(flat, (0, topo.group * _shard_shape(grad, topo)[0] - flat.size))
@@ -191,7 +202,7 @@ def _host_mean_shard(grad, topo: _Topology):
 
 def _gather_back(mean, leaf, topo: _Topology):
   """The mean shards of the host's devices put back together (all-gather over fast_axis)."""
-  if topo.fast_axis is None:
+  if topo.fast_axis is None or topo.prescattered:
     return mean
   whole = jax.lax.all_gather(mean, topo.fast_axis, tiled=True, to="invarying")
   return whole[:leaf.size].reshape(leaf.shape)

@@ -27,6 +27,7 @@ import optax
 
 from jaxcomm.keys import as_key, check_seed
 from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.validation import check_float, check_int_range, check_unit_interval
 
@@ -51,6 +52,14 @@ class PeriodicState(NamedTuple):
   sync: tuple
   key: jax.Array
   count: jax.Array
+
+
+def worker_axes(caller: str) -> tuple[str, ...]:
+  """The mesh axes across which workers hold different models: every manual axis, but the
+  one parameters are sharded over under ``data_parallel(..., shard_over=)`` (there a host's
+  devices together hold one worker's model: :func:`jaxcomm.optim.hsdp.sharded_leaves`)."""
+  shards = hsdp.sharded_leaves()
+  return tuple(a for a in manual_axes(caller) if shards is None or a != shards.axis)
 
 
 def fragment_leaves(sizes: list[int], fragments: int) -> list[list[int]]:
@@ -171,7 +180,7 @@ class _Plan(NamedTuple):
 
 def _init_state(params, inner: optax.GradientTransformation, plan: _Plan,
                 key: jax.Array) -> PeriodicState:
-  axes = manual_axes("periodic averaging init")
+  axes = worker_axes("periodic averaging init")
   anchor = jax.tree.map(lambda leaf: jax.lax.pmean(leaf, axes), params)
   leaves = jax.tree.leaves(anchor)
   groups = fragment_leaves([leaf.size for leaf in leaves], plan.fragments)
@@ -202,7 +211,7 @@ def _merge_branch(plan: _Plan, t: jax.Array) -> jax.Array:
 
 def _merge(mixing: float, local: list, anchor: list, group: list[int]) -> None:
   """``theta_i = mixing theta_i + (1 - mixing) theta_sync`` on the group's leaves, in place."""
-  axes = manual_axes("periodic averaging update")
+  axes = worker_axes("periodic averaging update")
   for i in group:
     local[i] = vary(anchor[i], axes) if mixing == 0.0 else \
         mixing * local[i] + (1 - mixing) * anchor[i]
@@ -218,7 +227,7 @@ def _synchronize(plan: _Plan, f: int, group: list[int], round_key: jax.Array, op
   """Fragment ``f``: the (weighted) mean pseudo-gradient through ``sync``, the outer step on
   ``theta_sync`` and, without delay, the merge."""
   local, anchor, outer_states, sync_states = (list(x) for x in operands)
-  axes = manual_axes("periodic averaging update")
+  axes = worker_axes("periodic averaging update")
   scale = 1.0 if plan.client_weight is None else \
       device_count(axes) * plan.client_weight(round_key, axes)
   deltas = [(anchor[i] - local[i]) * scale for i in group]

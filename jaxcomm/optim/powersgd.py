@@ -15,6 +15,7 @@ from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
 from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
 from jaxcomm.mesh_axes import vary
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.nonfinite import has_nonfinite, keep_if, with_nonfinite_policy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import check_float, check_float_input, check_float_tree, check_int_range
@@ -86,7 +87,8 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    return _init_state(params, rank, min_compression_rate, seed, slow_axis)
+    return _init_state(params, rank, min_compression_rate, seed, slow_axis,
+                       _sharded_leaves(fast_axis))
 
   def update(grads, state: PowerSGDAllReduceState, params=None):
     del params
@@ -94,15 +96,15 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     check_float_tree(grads, "grads")
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
-    devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
-    host_sums = [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+    shards = _sharded_leaves(fast_axis)
+    host_sums = _host_sums(leaves, shards, fast_axis, slow_axis)
 
     dense = functools.partial(_dense_sums, slow_axis)
 
     def compressed(operands):
-      sums, states = operands
-      return powersgd_reduce(sums, states, slow_axis=slow_axis, epsilon=epsilon,
-                             feedback=feedback)
+      reduce = powersgd_reduce if shards is None else functools.partial(
+          hsdp.powersgd_on_shards, shards=shards)
+      return reduce(*operands, slow_axis=slow_axis, epsilon=epsilon, feedback=feedback)
 
     operands = (host_sums, list(state.leaves))
     if warmup_steps:
@@ -116,10 +118,35 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   return optax.GradientTransformation(init, update)
 
 
+def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:
+  """Under ``data_parallel(..., shard_over=)``: the leaves are flat shards, factorized by
+  column blocks (:func:`jaxcomm.optim.hsdp.powersgd_on_shards`); else ``None``."""
+  shards = hsdp.sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"powersgd_allreduce(fast_axis={fast_axis!r}) runs on parameters sharded "
+                     f"over {shards.axis!r}: its fast_axis must be the sharded axis.")
+  return shards
+
+
+def _host_sums(leaves, shards, fast_axis: str, slow_axis: str) -> list:
+  """Each leaf's host sum of ``g / (G H)``: a ``psum`` over ``fast_axis``; under
+  ``shard_over`` each device already holds its shard of the host's mean, divided by ``H``."""
+  if shards is not None:
+    return [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
+  devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
+  return [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+
+
 def _init_state(params, rank: int, min_compression_rate: float, seed: int,
-                slow_axis: str) -> PowerSGDAllReduceState:
+                slow_axis: str, shards=None) -> PowerSGDAllReduceState:
   """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
-  ``()`` per leaf sent dense."""
+  ``()`` per leaf sent dense; under ``shard_over`` (``shards``) by column blocks."""
+  if shards is not None:
+    check_float_tree(params, "params")
+    states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
+                                  min_compression_rate=min_compression_rate, seed=seed,
+                                  slow_axis=slow_axis)
+    return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
   states = []
   for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
     check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")

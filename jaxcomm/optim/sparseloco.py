@@ -14,6 +14,7 @@ from jaxcomm.compress import chunks
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from jaxcomm.compress.topk import MAX_UINT16_CHUNK
 from jaxcomm.mesh_axes import manual_axes, vary
+from jaxcomm.optim import hsdp
 from jaxcomm.optim.periodic import periodic_averaging
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import (check_float, check_float_tree, check_fraction, check_int_range,
@@ -98,16 +99,30 @@ def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: 
   return dense[:size]
 
 
+def _on_shards(fast_axis: str, caller: str) -> bool:
+  """Whether the leaves are this device's shards of the host's model (``shard_over``)."""
+  shards = hsdp.sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
+                     f"so fast_axis must be {shards.axis!r}; got {fast_axis!r}.")
+  return shards is not None
+
+
 def fast_mean(fast_axis: str) -> optax.GradientTransformation:
   """The gradient averaged over ``fast_axis`` at full precision (``2 (G-1)/G D`` bytes per
-  device): the host's devices then take the same inner steps, as one worker."""
+  device): the host's devices then take the same inner steps, as one worker. Under
+  ``data_parallel(..., shard_over=fast_axis)`` the gradient already is this device's shard of
+  the host mean (:func:`jaxcomm.optim.hsdp.sharded_leaves`): nothing to do."""
+
+  def mean(grads):
+    return grads if _on_shards(fast_axis, "sparseloco") else jax.lax.pmean(grads, fast_axis)
 
   def init(params):
     check_float_tree(params, "params")
     return optax.EmptyState()
 
   return optax.GradientTransformation(
-      init, lambda grads, state, params=None: (jax.lax.pmean(grads, fast_axis), state))
+      init, lambda grads, state, params=None: (mean(grads), state))
 
 
 def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: str,
@@ -126,19 +141,23 @@ def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: s
   def init(deltas) -> SparseLoCoSyncState:
     require_axes(axes, "sparseloco.init")
     group, every = jax.lax.axis_size(fast_axis), manual_axes("sparseloco.init")
+    group = 1 if _on_shards(fast_axis, "sparseloco.init") else group
     return SparseLoCoSyncState(error=jax.tree.map(
         lambda p: vary(jnp.zeros((-(-p.size // group),), jnp.float32), every), deltas))
 
   def leaf_mean(delta, error):
     group, hosts = jax.lax.axis_size(fast_axis), jax.lax.axis_size(slow_axis)
-    size = error.shape[0]
-    flat = jnp.pad(delta.reshape(-1).astype(jnp.float32), (0, group * size - delta.size))
-    shard = jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True) / group
-    error = beta * error + shard
+    size, on_shards = error.shape[0], _on_shards(fast_axis, "sparseloco.update")
+    flat = delta.reshape(-1).astype(jnp.float32)
+    if not on_shards:  # the host's devices hold the same delta: each takes its shard
+      flat = jnp.pad(flat, (0, group * size - delta.size))
+      flat = jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True) / group
+    error = beta * error + flat
     payload, sent = encode(error, chunk, density, bits)
     gathered = jax.lax.all_gather(payload, slow_axis, to="invarying")
     mean = decode(gathered, size, chunk, density, bits) / hosts
-    whole = jax.lax.all_gather(mean, fast_axis, tiled=True, to="invarying")
+    whole = mean if on_shards else jax.lax.all_gather(mean, fast_axis, tiled=True,
+                                                      to="invarying")
     return whole[:delta.size].reshape(delta.shape).astype(delta.dtype), error - sent
 
   def update(deltas, state: SparseLoCoSyncState, params=None):

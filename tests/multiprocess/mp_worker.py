@@ -37,6 +37,7 @@ if sys.argv[2:] == ["fail"]:
                                    in_specs=P(mp_workloads.AXES), out_specs=P()))(ones))
   raise SystemExit("the collective completed although process 1 had exited")
 results = {"mesh_shape": np.array([mesh.shape["host"], mesh.shape["local"]]),
-           **mp_workloads.allreduce_results(mesh), **mp_workloads.training_results(mesh)}
+           **mp_workloads.allreduce_results(mesh), **mp_workloads.training_results(mesh),
+           **mp_workloads.hsdp_results(mesh)}
 np.savez(os.path.join(out_dir, f"process_{jax.process_index()}.npz"), **results)
 print(f"wrote {len(results)} results")

@@ -109,3 +109,31 @@ def training_results(mesh) -> dict[str, np.ndarray]:
     for path, value in jax.tree_util.tree_flatten_with_path(to_numpy(params))[0]:
       results[f"step{index}/params{jax.tree_util.keystr(path)}"] = value
   return results
+
+
+HSDP_STEPS = 3
+
+
+def hsdp_results(mesh) -> dict[str, np.ndarray]:
+  """Loss and full parameters after each of ``HSDP_STEPS`` steps of ``jaxcomm.data_parallel``
+  with ``shard_over='local'`` (top-k + error feedback, AdamW): parameters, moments and
+  residuals live as flat shards over ``local``, which crosses no process, while ``host``
+  crosses processes. The hidden width 30 makes the hidden bias need padding on ``G = 4``."""
+  graphdef, params = init_mlp(16, [30], 4, seed=1)
+  inputs, labels = teacher_classification(1, mesh.size * BATCH_PER_DEVICE * HSDP_STEPS, 16, 4)
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.25)),
+                   optax.adamw(3e-3, weight_decay=0.1))
+  trainer = jaxcomm.data_parallel(classification_loss(graphdef), tx, mesh, shard_over="local")
+  state = trainer.init(params)
+  per_step = mesh.size * BATCH_PER_DEVICE
+  # Each device's slice of every flat parameter: 1/G of the padded leaf.
+  results = {"hsdp/shard_lengths": np.array([leaf.addressable_shards[0].data.shape[0]
+                                             for leaf in jax.tree.leaves(state.params)])}
+  for index in range(HSDP_STEPS):
+    batch = to_global((inputs[index * per_step:(index + 1) * per_step],
+                       labels[index * per_step:(index + 1) * per_step]), mesh, P(AXES))
+    state, loss = trainer.step(state, batch)
+    results[f"hsdp/step{index}/loss"] = np.asarray(loss)
+    for path, value in jax.tree_util.tree_flatten_with_path(to_numpy(trainer.model(state)))[0]:
+      results[f"hsdp/step{index}/params{jax.tree_util.keystr(path)}"] = value
+  return results

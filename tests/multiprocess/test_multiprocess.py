@@ -53,7 +53,8 @@ def launched(tmp_path_factory):
 @pytest.fixture(scope="module")
 def simulated():
   mesh = jaxcomm.make_mesh(hosts=PROCESSES, local=LOCAL_DEVICES)
-  return {**mp_workloads.allreduce_results(mesh), **mp_workloads.training_results(mesh)}
+  return {**mp_workloads.allreduce_results(mesh), **mp_workloads.training_results(mesh),
+          **mp_workloads.hsdp_results(mesh)}
 
 
 def _select(results, prefix):
@@ -80,6 +81,18 @@ def test_training_matches_the_simulated_run_step_for_step(launched, simulated):
                                 **TOLERANCE)
   first, last = simulated["step0/loss"], simulated[f"step{mp_workloads.TRAIN_STEPS - 1}/loss"]
   assert last < first  # the compared run really trains
+
+
+def test_hsdp_matches_the_simulated_run_step_for_step(launched, simulated):
+  """Sharded data parallelism (``shard_over='local'``): the fast axis stays inside a process,
+  the compressed shard crosses processes; loss and gathered parameters after every step equal
+  the simulated 2x4 mesh's."""
+  hsdp = _select(simulated, "hsdp/")
+  assert len(hsdp) == 1 + mp_workloads.HSDP_STEPS * 5  # shard lengths; loss + 4 leaves a step
+  chex.assert_trees_all_close(_select(launched[0], "hsdp/"), hsdp, **TOLERANCE)
+  # Leaves of 4, 30x4, 30 (padded to 32) and 16x30 elements: each device holds a quarter.
+  np.testing.assert_array_equal(launched[0]["hsdp/shard_lengths"], [1, 30, 8, 120])
+  assert hsdp[f"hsdp/step{mp_workloads.HSDP_STEPS - 1}/loss"] < hsdp["hsdp/step0/loss"]
 
 
 def test_byte_accounting_equals_the_simulated_mesh(launched, simulated):
