@@ -4,7 +4,7 @@ A long run must not lose what compression has not sent yet: the error-feedback r
 (worker and server), PowerSGD warm starts, PRNG keys and counters of
 :func:`jaxcomm.compressed_allreduce`, next to the parameters and the state of the optax
 transformations chained after it. They are ordinary pytrees of ``jax.Array``, partly
-device-local (sharded along their first dimension, see :func:`jaxcomm.sharded_init`), so
+device-local (sharded along their first dimension, see :func:`jaxcomm.optim.sharded_init`), so
 orbax writes each shard from the process that holds it (tensorstore/OCDBT files, JSON
 metadata; nothing is pickled) and reads it back onto the same layout.
 
@@ -23,7 +23,7 @@ all processes see).
 Requires the optional dependency ``orbax-checkpoint`` (``pip install jaxcomm[checkpoint]``).
 
 Example:
-  >>> opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)  # doctest: +SKIP
+  >>> opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)  # doctest: +SKIP
   >>> jaxcomm.checkpoint.save(directory, step, {'params': params, 'opt': opt_state})  # doctest: +SKIP
   >>> target = {'params': params, 'opt': jaxcomm.checkpoint.abstract_state(tx, params, mesh)}  # doctest: +SKIP
   >>> state = jaxcomm.checkpoint.restore(directory, target)  # doctest: +SKIP
@@ -93,8 +93,8 @@ def abstract_state(tx: optax.GradientTransformation, params, mesh: Mesh,
                    params_spec: PartitionSpec = PartitionSpec()):
   """The restore target of ``tx``'s state: ``jax.ShapeDtypeStruct`` s with their shardings.
 
-  Traces ``tx.init`` inside ``shard_map`` as :func:`jaxcomm.sharded_init` runs it, without
-  computing, and attaches ``NamedSharding(mesh, spec)`` from :func:`jaxcomm.state_specs`:
+  Traces ``tx.init`` inside ``shard_map`` as :func:`jaxcomm.optim.sharded_init` runs it, without
+  computing, and attaches ``NamedSharding(mesh, spec)`` from :func:`jaxcomm.optim.state_specs`:
   device-local leaves (residuals) come back sharded over the devices, the rest replicated.
 
   Args:

@@ -1,7 +1,7 @@
 """The library-owned data-parallel step: ``data_parallel(loss_fn, tx, mesh)``.
 
 ``trainer.init(model)`` places every state leaf (replicated parameters, device-local residuals
-with the specs of :func:`jaxcomm.state_specs`); ``trainer.step(state, batch)`` runs the jitted
+with the specs of :func:`jaxcomm.optim.state_specs`); ``trainer.step(state, batch)`` runs the jitted
 ``shard_map`` of :func:`jaxcomm.optim.train_step.device_step` (per-device gradients, ``tx``
 does all communication) and returns the mean loss. On the CPU backend it keeps at most one
 step in flight: jaxlib 0.10.2's CPU runtime can deadlock when many multi-device steps are
@@ -35,7 +35,7 @@ class TrainState(NamedTuple):
       ``shard_over``, each leaf a flat zero-padded array sharded over that axis
       (:mod:`jaxcomm.optim.hsdp`; ``trainer.model(state)`` has the full ones).
     opt_state: ``tx``'s state, each leaf replicated or device-local as
-      :func:`jaxcomm.state_specs` says.
+      :func:`jaxcomm.optim.state_specs` says.
     key: the replicated PRNG key split every step (``None`` without ``key=``).
   """
   params: Any
@@ -201,7 +201,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
 
   Parameters are replicated on every device of ``mesh`` (or sharded: ``shard_over``); each
   batch is split over every mesh axis along its first dimension; each device takes the
-  gradient of its own share (:func:`jaxcomm.local_value_and_grad`) and ``tx`` does all
+  gradient of its own share (:func:`jaxcomm.optim.local_value_and_grad`) and ``tx`` does all
   communication, typically
   ``optax.chain(jaxcomm.compressed_allreduce(...), optax.adamw(...))``. Bytes per device and
   step: those of ``tx`` plus the loss ``pmean``, ``2 (N-1)/N * 4`` for ``N`` devices.

@@ -229,7 +229,7 @@ def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
 
 PERIODIC = {"local_sgd": lambda: jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), 2),
             "diloco": lambda: jaxcomm.diloco(optax.adamw(1e-2), 2),
-            "slowmo": lambda: jaxcomm.slowmo(optax.sgd(0.1), 2, 0.1)}
+            "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1)}
 
 
 def test_dgc_on_shards_equals_its_replicated_run():
@@ -253,7 +253,7 @@ def _hosts_as_workers(make, params, loss_fn, batches):
   mesh = jaxcomm.make_mesh(hosts=2, local=1, devices=jax.devices()[:2])
   tx = make()
   local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
-  opt_state, specs = jaxcomm.sharded_init(tx, local, mesh, P(("host", "local")))
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
   step = jaxcomm.optim.local_training_step(
       lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
   for batch in batches:
@@ -297,7 +297,7 @@ def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
   assert state.params["w"].sharding.spec == P(("host", "local"))
   tx = make()
   local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
-  opt_state, specs = jaxcomm.sharded_init(tx, local, mesh, P(("host", "local")))
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
   step = jaxcomm.optim.local_training_step(
       lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
   for batch in batches:

@@ -30,7 +30,7 @@ COMPRESSORS = {
     "topk-ef-two-phase": (jaxcomm.topk(0.1), True, "two_phase"),
     "sign-ef-two-phase": (jaxcomm.sign(), True, "two_phase"),
     "randomk-linear": (jaxcomm.randomk(0.25, shared=True), False, "linear"),
-    "int8-shared-linear": (jaxcomm.shared_quantize(), False, "linear"),
+    "int8-shared-linear": (jaxcomm.compress.shared_quantize(), False, "linear"),
     "full-precision-dense": (None, False, None),
 }
 GRAD_SHAPES = {"kernel": (24, 10), "bias": (10,)}
@@ -69,7 +69,7 @@ def allreduce_results(mesh) -> dict[str, np.ndarray]:
   results = {}
   for name, (compressor, feedback, strategy) in COMPRESSORS.items():
     tx = jaxcomm.compressed_allreduce(compressor, feedback=feedback, strategy=strategy, seed=7)
-    state, specs = jaxcomm.sharded_init(tx, params, mesh)
+    state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
     @jax.jit
     @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
@@ -95,8 +95,8 @@ def training_results(mesh) -> dict[str, np.ndarray]:
   tx = optax.chain(jaxcomm.compressed_allreduce(compressor, feedback=feedback),
                    optax.adam(3e-3))
   params = to_global(params, mesh, P())
-  opt_state, specs = jaxcomm.sharded_init(tx, params, mesh)
-  step = jaxcomm.data_parallel_step(loss_fn, tx, mesh, specs)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
+  step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   per_step = mesh.size * BATCH_PER_DEVICE
   batches = [to_global((inputs[i * per_step:(i + 1) * per_step],
                         labels[i * per_step:(i + 1) * per_step]), mesh, P(AXES))
