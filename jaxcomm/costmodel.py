@@ -369,6 +369,66 @@ def _slow_strategy(wire_bytes: Compressor | WireBytesFn | None, strategy, hosts:
   return strategy, _WireBytes(wire_bytes)
 
 
+class Traffic(NamedTuple):
+  """What each device sends per step over each link: link-independent, so one :func:`traffic`
+  gives the modeled time on any pair of links (:meth:`seconds`).
+
+  Attributes:
+    fast: steps and bytes over the fast (intra-host) link.
+    slow: steps and bytes over the slow (inter-host) link.
+  """
+  fast: Cost
+  slow: Cost
+
+  @property
+  def fast_bytes(self) -> float:
+    """Bytes each device sends over the fast link."""
+    return self.fast.nbytes
+
+  @property
+  def slow_bytes(self) -> float:
+    """Bytes each device sends over the slow link."""
+    return self.slow.nbytes
+
+  def __add__(self, other: Traffic) -> Traffic:
+    return Traffic(self.fast + other.fast, self.slow + other.slow)
+
+  def scaled(self, factor: float) -> Traffic:
+    """The traffic of a collective run once every ``1/factor`` steps (steps and bytes times
+    ``factor``)."""
+    return Traffic(*(Cost(cost.steps * factor, cost.nbytes * factor) for cost in self))
+
+  def seconds(self, fast_link: LinkLike, slow_link: LinkLike) -> float:
+    """Modeled seconds, the phases one after another: ``fast.seconds(fast_link) +
+    slow.seconds(slow_link)``."""
+    return self.fast.seconds(_as_link(fast_link)) + self.slow.seconds(_as_link(slow_link))
+
+
+NO_TRAFFIC = Traffic(NO_COST, NO_COST)
+
+
+def traffic(shapes: Iterable[Shape], hosts: int, local: int,
+            wire_bytes: Compressor | WireBytesFn | None = None, *,
+            strategy: str | strategies.Strategy | None = "gather",
+            dtype: Any = np.float32) -> Traffic:
+  """The steps and bytes of one hierarchical allreduce of a model's gradients on each link,
+  without links: :func:`project`'s figures before they are timed (arguments as there).
+
+  Returns:
+    A :class:`Traffic`; ``traffic(...).seconds(fast_link, slow_link)`` equals
+    :func:`project`'s ``total_seconds``.
+  """
+  hosts, local = _check_devices("hosts", hosts), _check_devices("local", local)
+  slow_strategy, compressor = _slow_strategy(wire_bytes, strategy, hosts)
+  dtype = np.dtype(dtype)
+  fast, slow = NO_COST, NO_COST
+  for shape in shapes:
+    shard_len = -(-math.prod(shape) // local)
+    fast = fast + strategies.Dense().cost(None, local * shard_len, local, dtype)
+    slow = slow + slow_strategy.cost(compressor, shard_len, hosts, dtype)
+  return Traffic(fast, slow)
+
+
 def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike,
             slow_link: LinkLike, wire_bytes: Compressor | WireBytesFn | None = None, *,
             strategy: str | strategies.Strategy | None = "gather",
@@ -419,14 +479,7 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
     >>> shapes = transformer_gradient_shapes('llama-7b').values()
     >>> project(shapes, 8, 8, 'nvlink4', '100gbe', jaxcomm.topk(0.01).wire_bytes)  # doctest: +SKIP
   """
-  hosts, local = _check_devices("hosts", hosts), _check_devices("local", local)
   fast_link, slow_link = _as_link(fast_link), _as_link(slow_link)
-  slow_strategy, compressor = _slow_strategy(wire_bytes, strategy, hosts)
-  dtype = np.dtype(dtype)
-  fast, slow = NO_COST, NO_COST
-  for shape in shapes:
-    shard_len = -(-math.prod(shape) // local)
-    fast = fast + strategies.Dense().cost(None, local * shard_len, local, dtype)
-    slow = slow + slow_strategy.cost(compressor, shard_len, hosts, dtype)
+  fast, slow = traffic(shapes, hosts, local, wire_bytes, strategy=strategy, dtype=dtype)
   return Projection(fast.nbytes, slow.nbytes, fast.steps, slow.steps, fast.seconds(fast_link),
                     slow.seconds(slow_link))

@@ -12,7 +12,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm import accounting, costmodel
-from jaxcomm.accounting import Collective, CommReport
+from jaxcomm.accounting import Collective, CommReport, Cost
 from jaxcomm.links import Link
 from update_helpers import measure_update
 
@@ -207,6 +207,9 @@ def test_project_on_hand_computed_cases(wire_bytes, strategy, slow_steps, slow_b
   assert (got.slow_steps, got.slow_bytes, got.slow_seconds) == (slow_steps, slow_bytes,
                                                                 slow_seconds)
   assert got.total_seconds == 3.0 + slow_seconds
+  traffic = costmodel.traffic([(10,), (3,)], 2, 4, wire_bytes, strategy=strategy)
+  assert traffic == (Cost(12, 96.0), Cost(slow_steps, slow_bytes))
+  assert traffic.seconds(FAST, SLOW) == got.total_seconds
 
 
 def test_project_one_host_sends_nothing_between_hosts():

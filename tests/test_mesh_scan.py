@@ -181,13 +181,18 @@ def test_iso_quality_counts_full_windows_only():
 def test_projection_matches_the_cost_model_and_the_formulas():
   shapes = [(512, 256), (256,)]
   fast, slow = links.link("nvlink4"), links.link("100gbe")
-  gather = projection.hierarchical(shapes, 4, 8, fast, slow, topk(0.01), "gather")
+  gather = projection.hierarchical(shapes, 4, 8, topk(0.01), "gather")
   expected = costmodel.project(shapes, 4, 8, fast, slow, topk(0.01).wire_bytes)
-  assert gather.seconds == pytest.approx(expected.total_seconds)
-  flat = projection.flat_fp32(shapes, 4, 8, fast, slow)
+  assert gather.seconds(fast, slow) == pytest.approx(expected.total_seconds)
+  assert (gather.slow_bytes, gather.fast_bytes) == (expected.slow_bytes, expected.fast_bytes)
+  flat = projection.flat_fp32(shapes, 4, 8)
   assert flat.slow_bytes == pytest.approx(2 * 31 / 32 * 4 * (512 * 256 + 256))
-  low_rank = projection.powersgd(shapes, 4, 8, fast, slow, rank=2)
+  assert flat.seconds(fast, slow) == pytest.approx(
+      sum(costmodel.all_reduce_time(4 * math.prod(s), 32, slow) for s in shapes))
+  low_rank = projection.powersgd(shapes, 4, 8, rank=2)
   assert low_rank.slow_bytes == pytest.approx(2 * 3 / 4 * 4 * (2 * (512 + 256) + 256))
+  # A period divides steps and bytes, so the modeled time too
+  assert gather.scaled(1 / 8).seconds(fast, slow) == pytest.approx(gather.seconds(fast, slow) / 8)
 
 
 def test_one_host_and_one_device_per_host_meshes(tmp_path):

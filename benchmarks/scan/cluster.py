@@ -106,9 +106,8 @@ def model_step(methods, setting, shapes, cluster: Cluster) -> dict[str, dict]:
   for method in methods:
     if method.project is None:
       continue
-    comm = method.project(setting, shapes, cluster.hosts, cluster.local, cluster.intra,
-                          cluster.inter)
-    rows[method.name] = {"inter_bytes": comm.slow_bytes, "intra_bytes": comm.fast_bytes,
-                         "comm_ms": 1e3 * comm.seconds,
-                         "step_ms": cluster.compute_ms + 1e3 * comm.seconds}
+    traffic = method.project(setting, shapes, cluster.hosts, cluster.local)
+    seconds = traffic.seconds(cluster.intra, cluster.inter)
+    rows[method.name] = {"inter_bytes": traffic.slow_bytes, "intra_bytes": traffic.fast_bytes,
+                         "comm_ms": 1e3 * seconds, "step_ms": cluster.compute_ms + 1e3 * seconds}
   return rows

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 
@@ -75,14 +74,12 @@ def _project(args, methods: list[str], setting: Setting) -> list[dict]:
   for name in methods:
     if REGISTRY[name].project is None:
       continue
-    per_cluster = {cluster: REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS,
-                                                   PROJECTION_LOCAL, figures.FAST_LINK, slow)
-                   for cluster, slow in figures.CLUSTERS.items()}
-    comm = next(iter(per_cluster.values()))
+    traffic = REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL)
     rows.append({"model": args.projection_model, "hosts": PROJECTION_HOSTS,
-                 "local": PROJECTION_LOCAL, "method": name, "slow_bytes": comm.slow_bytes,
-                 "fast_bytes": comm.fast_bytes,
-                 "comm_ms": {c: 1e3 * p.seconds for c, p in per_cluster.items()}})
+                 "local": PROJECTION_LOCAL, "method": name, "slow_bytes": traffic.slow_bytes,
+                 "fast_bytes": traffic.fast_bytes,
+                 "comm_ms": {cluster: 1e3 * traffic.seconds(figures.FAST_LINK, slow)
+                             for cluster, slow in figures.CLUSTERS.items()}})
   reference = next((r for r in rows if r["method"] == "fp32"), None)
   for row in rows:
     row["speedup"] = {c: (reference["comm_ms"][c] / ms if reference else None)
@@ -91,32 +88,17 @@ def _project(args, methods: list[str], setting: Setting) -> list[dict]:
 
 
 def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, list[float]]:
-  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`.
-
-  Every projection is alpha-beta: at a fixed latency its time is ``a + c / bandwidth``. So
-  each method is projected at the sweep's two ends, and at its middle to check that form
-  (one projection costs tens of ms: it traces the compressor per leaf shape); a method whose
-  middle point is off the line is projected at every bandwidth.
-  """
+  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`
+  (latency :data:`plots.SWEEP_LATENCY_S`), per method that has a formula: each method's
+  traffic is projected once and timed on every link of the sweep."""
   shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
-
-  def seconds(name, bandwidth):
-    return REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL,
-                                  figures.FAST_LINK, jaxcomm.links.Link(
-                                      "sweep", bandwidth, plots.SWEEP_LATENCY_S)).seconds
-
   curves = {}
   for name in methods:
     if REGISTRY[name].project is None:
       continue
-    low, high = plots.BANDWIDTHS[0], plots.BANDWIDTHS[-1]
-    middle = plots.BANDWIDTHS[len(plots.BANDWIDTHS) // 2]
-    at_low, at_high = seconds(name, low), seconds(name, high)
-    per_byte = (at_low - at_high) / (1 / low - 1 / high)
-    line = lambda bandwidth: at_high + per_byte * (1 / bandwidth - 1 / high)  # noqa: E731
-    if not math.isclose(line(middle), seconds(name, middle), rel_tol=1e-9, abs_tol=1e-15):
-      line = lambda bandwidth, name=name: seconds(name, bandwidth)  # noqa: E731
-    curves[name] = [1e3 * line(bandwidth) for bandwidth in plots.BANDWIDTHS]
+    traffic = REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL)
+    curves[name] = [1e3 * traffic.seconds(figures.FAST_LINK, jaxcomm.links.Link(
+        "sweep", bandwidth, plots.SWEEP_LATENCY_S)) for bandwidth in plots.BANDWIDTHS]
   return curves
 
 

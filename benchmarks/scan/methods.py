@@ -3,8 +3,9 @@
 A :class:`Method` is a name, a one-line summary, ``build(setting)`` returning the *whole*
 optimizer (an ``optax.GradientTransformation`` whose first element communicates; methods
 such as 1-bit Adam that replace the optimizer return their own chain) and, where the cost
-model can describe it, ``project(setting, shapes, hosts, local, fast, slow)`` returning the
-modeled communication of one step of a large model (see :mod:`benchmarks.scan.projection`).
+model can describe it, ``project(setting, shapes, hosts, local)`` returning the steps and
+bytes of one step of a large model on each link (a :class:`jaxcomm.costmodel.Traffic`, see
+:mod:`benchmarks.scan.projection`).
 ``make_step`` builds the train step; every method here uses :func:`jaxcomm.optim.data_parallel_step`
 (replicated parameters, batch split over the devices). A method whose parameters differ per
 device (gossip, local SGD between syncs) supplies its own.
@@ -25,6 +26,8 @@ import optax
 
 import jaxcomm
 from benchmarks.scan import projection
+from jaxcomm.accounting import NO_COST, ring_cost
+from jaxcomm.costmodel import NO_TRAFFIC, Traffic
 
 AXES = ("host", "local")
 
@@ -66,7 +69,7 @@ class Method(NamedTuple):
     name: the ``--methods`` name.
     summary: one line for ``--help`` and the docs.
     build: ``build(setting) -> optax.GradientTransformation``, the whole optimizer.
-    project: ``project(setting, shapes, hosts, local, fast, slow) -> projection.Comm`` for a
+    project: ``project(setting, shapes, hosts, local) -> jaxcomm.costmodel.Traffic`` for a
       large model's gradient shapes, or ``None`` where the cost model has no formula.
     make_step: ``make_step(loss_fn, tx, mesh, specs) -> step(params, state, batch)`` returning
       ``(params, state, loss)``.
@@ -86,7 +89,7 @@ class Method(NamedTuple):
   name: str
   summary: str
   build: Callable[[Setting], optax.GradientTransformation]
-  project: Callable[..., projection.Comm] | None
+  project: Callable[..., Traffic] | None
   make_step: Callable = jaxcomm.optim.data_parallel_step
   device_local: bool = False
   comm_every: int = 1
@@ -132,9 +135,8 @@ def _compressed(name: str, summary: str, make_compressor: Callable[[Setting], An
         compressor(setting), strategy=strategy, feedback=feedback, seed=setting.seed,
         bucket_bytes=bucket_bytes), setting)
 
-  def per_leaf(setting, shapes, hosts, local, fast, slow):
-    return projection.hierarchical(shapes, hosts, local, fast, slow, compressor(setting),
-                                   strategy)
+  def per_leaf(setting, shapes, hosts, local):
+    return projection.hierarchical(shapes, hosts, local, compressor(setting), strategy)
 
   return Method(name, summary, build, project or per_leaf)
 
@@ -147,11 +149,11 @@ def _sketch(setting: Setting):
   return jaxcomm.compress.count_sketch(width, 1, seed=setting.seed)
 
 
-def _sketch_project(setting, shapes, hosts, local, fast, slow):
+def _sketch_project(setting, shapes, hosts, local):
   # The model's gradient in one bucket: one sketch of sketch_fraction of its shard.
   total = sum(math.prod(shape) for shape in shapes)
   big = dataclasses.replace(setting, params=[jax.ShapeDtypeStruct((total,), jnp.float32)])
-  return projection.hierarchical([(total,)], hosts, local, fast, slow, _sketch(big), None)
+  return projection.hierarchical([(total,)], hosts, local, _sketch(big), None)
 
 
 def _powersgd(rank: int) -> Method:
@@ -159,8 +161,7 @@ def _powersgd(rank: int) -> Method:
       f"powersgd-r{rank}",
       f"PowerSGD rank {rank} across hosts (dense psum inside), error feedback, warm start",
       lambda setting: _adamw(jaxcomm.powersgd_allreduce(rank, seed=setting.seed), setting),
-      lambda setting, shapes, hosts, local, fast, slow: projection.powersgd(
-          shapes, hosts, local, fast, slow, rank))
+      lambda setting, shapes, hosts, local: projection.powersgd(shapes, hosts, local, rank))
 
 
 def _periodic(name: str, summary: str, make: Callable, period: int, *,
@@ -176,9 +177,8 @@ def _periodic(name: str, summary: str, make: Callable, period: int, *,
   """
   compressor = jaxcomm.sign() if sign else None
 
-  def project(setting, shapes, hosts, local, fast, slow):
-    comm = projection.hierarchical(shapes, hosts, local, fast, slow, compressor, "gather")
-    return projection.Comm(*(value / period for value in comm))
+  def project(setting, shapes, hosts, local):
+    return projection.hierarchical(shapes, hosts, local, compressor, "gather").scaled(1 / period)
 
   return Method(name, summary,
                 lambda setting: make(setting, jaxcomm.compressed_allreduce(compressor)),
@@ -238,9 +238,8 @@ def _data_parallel_schemes(k: int, tau: int) -> list[Method]:
   full-precision hierarchical allreduce and AdamW."""
 
   def hierarchical_per(period):
-    def project(setting, shapes, hosts, local, fast, slow):
-      comm = projection.hierarchical(shapes, hosts, local, fast, slow, None, None)
-      return projection.Comm(*(value / period for value in comm))
+    def project(setting, shapes, hosts, local):
+      return projection.hierarchical(shapes, hosts, local, None, None).scaled(1 / period)
     return project
 
   return [
@@ -283,10 +282,9 @@ def _zero_one_adam() -> Method:
         setting.lr, var_freeze_step=max(1, setting.steps // 4), var_update_scaler=8,
         local_step_scaler=max(1, setting.steps // 30), local_step_clipper=clipper)
 
-  def project(setting, shapes, hosts, local, fast, slow):
-    comm = projection.hierarchical(shapes, hosts, local, fast, slow, jaxcomm.sign(),
-                                   "two_phase")
-    return comm._replace(**{field: getattr(comm, field) / clipper for field in comm._fields})
+  def project(setting, shapes, hosts, local):
+    return projection.hierarchical(shapes, hosts, local, jaxcomm.sign(),
+                                   "two_phase").scaled(1 / clipper)
 
   return Method("zero-one-adam", "0/1 Adam: variance updated on a thinning step set (dense) with "
                 "1-bit gradients between, frozen after 1/4 of the run; then local Adam steps "
@@ -299,7 +297,7 @@ def _entries() -> list[Method]:
   return [
       Method("fp32", "plain jax.lax.pmean over both axes at full precision (the reference)",
              lambda setting: _adamw(_flat_pmean(), setting),
-             lambda setting, *args: projection.flat_fp32(*args)),
+             lambda setting, shapes, hosts, local: projection.flat_fp32(shapes, hosts, local)),
       _compressed("fp32-hier", "jaxcomm hierarchical allreduce, full precision on both axes",
                   None),
       _compressed("identity", "the identity compressor across hosts (psum of its payload): "
@@ -339,14 +337,14 @@ def _entries() -> list[Method]:
              "each device's velocity shard all-gathered over hosts; SGD after it",
              lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction, fast_axis="local"),
                                    optax.sgd(10 * s.lr)),
-             lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
-                 shapes, hosts, local, fast, slow, jaxcomm.topk(s.topk_fraction), "gather")),
+             lambda s, shapes, hosts, local: projection.hierarchical(
+                 shapes, hosts, local, jaxcomm.topk(s.topk_fraction), "gather")),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
              "and 1-bit momentum across hosts (two-phase, worker and server error feedback); bytes "
              "per step weigh the warm-up and 1-bit branches by the steps each ran",
              lambda s: jaxcomm.onebit_adam(s.lr, warmup_steps=_onebit_warmup(s)),
-             lambda s, shapes, hosts, local, fast, slow: projection.hierarchical(
-                 shapes, hosts, local, fast, slow, jaxcomm.sign(), "two_phase"),
+             lambda s, shapes, hosts, local: projection.hierarchical(
+                 shapes, hosts, local, jaxcomm.sign(), "two_phase"),
              branch_fractions=lambda s, state: onebit_branch_fractions(int(state.count),
                                                                        _onebit_warmup(s))),
       _zero_one_adam(),
@@ -357,28 +355,20 @@ for _method in _entries():
   register(_method)
 
 
-def _demo_project(setting, shapes, hosts, local, fast, slow, *, chunk=64, topk=32):
+def _demo_project(setting, shapes, hosts, local, *, chunk=64, topk=32):
   """DeMo: per leaf, a reduce-scatter of the gradient blocks and an all-gather of the int8
   signs inside the host; the all-gather of ``c k`` (float32, uint16) pairs across hosts."""
   from jaxcomm.optim.demo import block_layout
-  slow_bytes = fast_bytes = seconds = 0.0
+  traffic = NO_TRAFFIC
   for shape in shapes:
     layout = block_layout(tuple(shape), chunk, local)
-    elements, payload = layout.per_device * layout.block_size, layout.per_device * min(
-        topk, layout.block_size) * 6
-    slow_bytes += (hosts - 1) * payload
-    fast_bytes += (local - 1) * elements * (4 + 1)
-    seconds += (costmodel_time("reduce_scatter", local * elements * 4, local, fast)
-                + costmodel_time("all_gather", hosts * payload, hosts, slow)
-                + costmodel_time("all_gather", local * elements, local, fast))
-  return projection.Comm(slow_bytes, fast_bytes, seconds)
-
-
-def costmodel_time(kind: str, nbytes: float, devices: int, link) -> float:
-  """Modeled seconds of one ring collective (0 on a single device)."""
-  if devices < 2:
-    return 0.0
-  return getattr(jaxcomm.costmodel, f"{kind}_time")(nbytes, devices, link)
+    elements = layout.per_device * layout.block_size
+    payload = layout.per_device * min(topk, layout.block_size) * 6
+    traffic = traffic + Traffic(
+        ring_cost("reduce-scatter", elements * 4, local) + ring_cost("all-gather",
+                                                                     local * elements, local),
+        ring_cost("all-gather", hosts * payload, hosts))
+  return traffic
 
 
 def _sparseloco_project(period, density, bits, chunk):
@@ -387,19 +377,17 @@ def _sparseloco_project(period, density, bits, chunk):
   2-bit payloads across hosts, divided by ``period``."""
   from jaxcomm.optim.sparseloco import payload_bytes
 
-  def project(setting, shapes, hosts, local, fast, slow):
-    slow_bytes = fast_bytes = seconds = 0.0
+  def project(setting, shapes, hosts, local):
+    inner, outer = NO_TRAFFIC, NO_TRAFFIC
     for shape in shapes:
       size = math.prod(shape)
       shard = -(-size // local)
-      payload = payload_bytes(shard, chunk, density, bits)
-      slow_bytes += (hosts - 1) * payload / period
-      fast_bytes += 2 * (local - 1) / local * 4 * size + 2 * (local - 1) * 4 * shard / period
-      seconds += costmodel_time("all_reduce", 4 * size, local, fast) + (
-          costmodel_time("reduce_scatter", 4 * local * shard, local, fast)
-          + costmodel_time("all_gather", hosts * payload, hosts, slow)
-          + costmodel_time("all_gather", 4 * local * shard, local, fast)) / period
-    return projection.Comm(slow_bytes, fast_bytes, seconds)
+      inner = inner + Traffic(ring_cost("all-reduce", 4 * size, local), NO_COST)
+      outer = outer + Traffic(
+          ring_cost("reduce-scatter", 4 * shard, local)
+          + ring_cost("all-gather", 4 * local * shard, local),
+          ring_cost("all-gather", hosts * payload_bytes(shard, chunk, density, bits), hosts))
+    return inner + outer.scaled(1 / period)
 
   return project
 
@@ -413,9 +401,8 @@ def _sota_methods(period: int) -> list[Method]:
   for bits in (4, 2):
     compressor = jaxcomm.quantize(bits, chunk=1024)
 
-    def project(setting, shapes, hosts, local, fast, slow, compressor=compressor):
-      comm = projection.hierarchical(shapes, hosts, local, fast, slow, compressor, "gather")
-      return projection.Comm(*(value / h for value in comm))
+    def project(setting, shapes, hosts, local, compressor=compressor):
+      return projection.hierarchical(shapes, hosts, local, compressor, "gather").scaled(1 / h)
 
     streaming.append(Method(
         f"streaming-diloco-h{h}-q{bits}", f"streaming DiLoCo: {h} local AdamW steps per "

@@ -2,73 +2,54 @@
 
 Nothing is compiled: these are alpha-beta figures from the gradient shapes
 (:mod:`jaxcomm.costmodel`), one collective per leaf and phase, for ``H`` hosts of ``G``
-devices. Each function returns a :class:`Comm`.
+devices. Each function returns a :class:`jaxcomm.costmodel.Traffic`, the steps and bytes on
+each link; ``traffic.seconds(fast_link, slow_link)`` times it on any cluster.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import NamedTuple
 
 from jaxcomm import costmodel
-from jaxcomm.accounting import ring_cost
+from jaxcomm.accounting import NO_COST, ring_cost
 from jaxcomm.compress.powersgd import compression_rate, matrix_shape
+from jaxcomm.costmodel import Traffic
 
 Shape = tuple[int, ...]
 
 
-class Comm(NamedTuple):
-  """Bytes each device sends per step on each link, and the modeled seconds.
-
-  Attributes:
-    slow_bytes: over the inter-host link.
-    fast_bytes: over the intra-host link.
-    seconds: modeled communication time, the phases one after another.
-  """
-  slow_bytes: float
-  fast_bytes: float
-  seconds: float
-
-
-def flat_fp32(shapes: Iterable[Shape], hosts: int, local: int, fast, slow) -> Comm:
+def flat_fp32(shapes: Iterable[Shape], hosts: int, local: int) -> Traffic:
   """A plain fp32 ``pmean`` over all ``H G`` devices: one ring per leaf, on the slow link.
 
   With ``H = 1`` the ring never leaves the host and runs on the fast link.
   """
-  devices = hosts * local
-  on = slow if hosts > 1 else fast
-  shapes = list(shapes)
-  nbytes = sum(ring_cost("all-reduce", 4 * math.prod(shape), devices).nbytes for shape in shapes)
-  seconds = math.fsum(costmodel.all_reduce_time(4 * math.prod(shape), devices, on)
-                      for shape in shapes)
-  return Comm(nbytes if hosts > 1 else 0.0, 0.0 if hosts > 1 else nbytes, seconds)
+  ring = sum((ring_cost("all-reduce", 4 * math.prod(shape), hosts * local) for shape in shapes),
+             NO_COST)
+  return Traffic(NO_COST, ring) if hosts > 1 else Traffic(ring, NO_COST)
 
 
-def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, compressor,
-                 strategy: str | None) -> Comm:
+def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, compressor,
+                 strategy: str | None) -> Traffic:
   """Dense reduce-scatter / all-gather inside hosts, ``compressor`` across them:
-  :func:`jaxcomm.costmodel.project`, whose slow axis runs the strategy
+  :func:`jaxcomm.costmodel.traffic`, whose slow axis runs the strategy
   :func:`jaxcomm.compressed_allreduce` resolves (``strategy=None``: its automatic choice)
   and is costed by that strategy's ``cost``."""
-  result = costmodel.project(list(shapes), hosts, local, fast, slow, compressor,
-                             strategy=strategy)
-  return Comm(result.slow_bytes, result.fast_bytes, result.total_seconds)
+  return costmodel.traffic(list(shapes), hosts, local, compressor, strategy=strategy)
 
 
-def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: int,
-             min_compression_rate: float = 2.0) -> Comm:
+def powersgd(shapes: Iterable[Shape], hosts: int, local: int, rank: int,
+             min_compression_rate: float = 2.0) -> Traffic:
   """:func:`jaxcomm.powersgd_allreduce`: dense ``psum`` of every leaf inside hosts; across
   hosts, for the leaves viewed as ``m x n`` matrices whose rate reaches
   ``min_compression_rate``, one ``psum`` of the stacked ``P`` (``4 r m`` bytes per leaf) and
   one of the stacked ``Q`` (``4 r n``) per distinct matrix shape; other leaves dense."""
-  fast_bytes = slow_bytes = seconds = 0.0
+  fast = NO_COST
   stacked: dict[tuple[int, int], int] = {}
   messages = []
   for shape in shapes:
     size = 4 * math.prod(shape)
-    fast_bytes += ring_cost("all-reduce", size, local).nbytes
-    seconds += costmodel.all_reduce_time(size, local, fast)
+    fast = fast + ring_cost("all-reduce", size, local)
     if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
       matrix = matrix_shape(tuple(shape))
       stacked[matrix] = stacked.get(matrix, 0) + 1
@@ -76,6 +57,4 @@ def powersgd(shapes: Iterable[Shape], hosts: int, local: int, fast, slow, rank: 
       messages.append(size)
   for (rows, cols), count in stacked.items():
     messages += [4 * rank * rows * count, 4 * rank * cols * count]
-  slow_bytes = sum(ring_cost("all-reduce", m, hosts).nbytes for m in messages)
-  seconds += math.fsum(costmodel.all_reduce_time(m, hosts, slow) for m in messages)
-  return Comm(slow_bytes, fast_bytes, seconds)
+  return Traffic(fast, sum((ring_cost("all-reduce", m, hosts) for m in messages), NO_COST))
