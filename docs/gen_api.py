@@ -10,6 +10,7 @@ import inspect
 import os
 import sys
 import textwrap
+import types
 
 import jaxcomm
 
@@ -28,6 +29,11 @@ def _doc(obj) -> str:
 
 
 def _summary(obj) -> str:
+  if isinstance(obj, types.UnionType):
+    return "type: " + " \\| ".join(f"``{arg.__name__}``" for arg in obj.__args__)
+  if not (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj)):
+    text = repr(obj).replace("\n", " ")
+    return f"constant: ``{text if len(text) <= 80 else text[:77] + '...'}``"
   return _doc(obj).split("\n\n")[0].replace("\n", " ")
 
 
