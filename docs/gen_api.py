@@ -30,7 +30,7 @@ def _doc(obj) -> str:
 
 def _summary(obj) -> str:
   if isinstance(obj, types.UnionType):
-    return "type: " + " \\| ".join(f"``{arg.__name__}``" for arg in obj.__args__)
+    return "type: " + " | ".join(f"``{arg.__name__}``" for arg in obj.__args__)
   if not (inspect.ismodule(obj) or inspect.isclass(obj) or callable(obj)):
     text = repr(obj).replace("\n", " ")
     return f"constant: ``{text if len(text) <= 80 else text[:77] + '...'}``"
