@@ -229,7 +229,9 @@ def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
 
 PERIODIC = {"local_sgd": lambda: jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), 2),
             "diloco": lambda: jaxcomm.diloco(optax.adamw(1e-2), 2),
-            "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1)}
+            "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1),
+            # momentum=None: 1 - 1/N for the N = 2 workers (hosts), not the 8 devices
+            "bmuf": lambda: jaxcomm.optim.bmuf(optax.sgd(0.1), 2)}
 
 
 def test_dgc_on_shards_equals_its_replicated_run():
@@ -263,7 +265,7 @@ def _hosts_as_workers(make, params, loss_fn, batches):
 
 @pytest.mark.parametrize("name", sorted(PERIODIC))
 def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(name):
-  """Local SGD, DiLoCo, SlowMo (period 2, 4 steps: two synchronizations) under
+  """Local SGD, DiLoCo, SlowMo, BMUF (period 2, 4 steps: two synchronizations) under
   shard_over: each host keeps its own flat shards (P(('host', 'local'))), a host's G devices
   together are one worker; the mean model equals the same algorithm run with one device per
   host holding the whole model."""
@@ -307,6 +309,42 @@ def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
                               atol=1e-6)
 
 
+def test_zero_one_adam_on_per_host_shards_equals_its_device_local_run():
+  """0/1 Adam's workers are the hosts under shard_over: per-host parameter, momentum and
+  anchor shards, the frozen variance sharded and replicated over hosts, and its 1-bit
+  exchange of each device's shard across hosts. Each host's 4 devices get the same rows, so
+  the device-local run on the same 2x4 mesh (every device a worker, full precision inside
+  the host, sign across hosts on the same 1/G shards) must agree, through all four kinds of
+  step (variance, 1-bit, local, synchronization) and padded leaves (15, 4, 7 elements)."""
+  params, loss_fn, (inputs, targets) = _problem()
+  make = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=3, var_update_scaler=1,
+                                       local_step_scaler=1, local_step_clipper=4)
+  # rows 0-7 on host 0's four devices, rows 8-15 on host 1's
+  host_rows = lambda x: jnp.concatenate([jnp.tile(x[:8], (4, 1)), jnp.tile(x[8:16], (4, 1))])
+  batches = [(host_rows(inputs) * (1 + 0.1 * t), host_rows(targets)) for t in range(8)]
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  trainer = jaxcomm.data_parallel(loss_fn, make(), mesh, shard_over="local")
+  state = trainer.init(params)
+  for batch in batches:
+    state, _ = trainer.step(state, batch)
+  chex.assert_trees_all_equal(state.opt_state.steps_per_kind, jnp.array([2, 1, 3, 2]))
+  assert state.params["w"].shape == (2 * 16,)
+  for leaf in (state.params["w"], state.opt_state.mu["w"], state.opt_state.anchor["w"]):
+    assert leaf.sharding.spec == P(("host", "local"))  # 1/G of a host's model per device
+  nu = state.opt_state.nu["w"]
+  assert nu.shape == (16,) and nu.sharding.spec == P("local")
+  tx = make()
+  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
+  step = jaxcomm.optim.local_training_step(
+      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
+  for batch in batches:
+    local, opt_state, _ = step(local, opt_state, batch)
+  reference = jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)), reference,
+                              atol=1e-6)
+
+
 def test_streaming_diloco_runs_on_per_host_shards():
   """Its 4-bit quantized sync quantizes each device's shard in its own chunk, not the
   whole leaf, so it is not compared; it trains."""
@@ -323,8 +361,6 @@ REFUSED = {
     "adafactor": (lambda: optax.chain(jaxcomm.compressed_allreduce(),
                                       optax.adafactor(1e-2, min_dim_size_to_factor=2)),
                   "adafactor"),
-    "zero_one_adam": (lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2),
-                      "zero_one_adam needs device-loc"),
     "no_allreduce": (lambda: optax.adamw(1e-2), "differ across mesh axes"),
 }
 
