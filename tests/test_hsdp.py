@@ -231,7 +231,12 @@ PERIODIC = {"local_sgd": lambda: jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9),
             "diloco": lambda: jaxcomm.diloco(optax.adamw(1e-2), 2),
             "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1),
             # momentum=None: 1 - 1/N for the N = 2 workers (hosts), not the 8 devices
-            "bmuf": lambda: jaxcomm.optim.bmuf(optax.sgd(0.1), 2)}
+            "bmuf": lambda: jaxcomm.optim.bmuf(optax.sgd(0.1), 2),
+            # one client per host: weighted by the hosts' sample counts, or one sampled a round
+            "fedprox": lambda: jaxcomm.optim.fedprox(optax.sgd(0.1), 2, 0.5,
+                                                     client_sizes=(1.0, 3.0)),
+            "fedavg_sampled": lambda: jaxcomm.optim.fedavg(optax.sgd(0.1), 2,
+                                                           clients_per_round=1)}
 
 
 def test_dgc_on_shards_equals_its_replicated_run():
@@ -265,7 +270,7 @@ def _hosts_as_workers(make, params, loss_fn, batches):
 
 @pytest.mark.parametrize("name", sorted(PERIODIC))
 def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(name):
-  """Local SGD, DiLoCo, SlowMo, BMUF (period 2, 4 steps: two synchronizations) under
+  """Local SGD, DiLoCo, SlowMo, BMUF, FedProx, FedAvg (period 2, 4 steps: two rounds) under
   shard_over: each host keeps its own flat shards (P(('host', 'local'))), a host's G devices
   together are one worker; the mean model equals the same algorithm run with one device per
   host holding the whole model."""
