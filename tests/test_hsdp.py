@@ -575,3 +575,56 @@ def test_bad_parameter_specs_are_refused_naming_the_leaf(specs, shard_over, mess
                                   shard_over=shard_over)
   with pytest.raises(ValueError, match=message):
     trainer.init(params, specs=specs)
+
+
+def _split_pending(residual, hosts, local, shape, dim):
+  """Per element of a leaf of ``shape`` split along ``dim``: the pending mass summed over
+  hosts (each device's residual is its block, flattened row-major)."""
+  block = list(shape)
+  block[dim] //= local
+  blocks = jnp.asarray(residual).reshape(hosts, local, *block)
+  return jnp.concatenate(list(jnp.moveaxis(blocks, 1, 0)), axis=1 + dim).sum(axis=0)
+
+
+@pytest.mark.parametrize("hosts,local", [(4, 2), (1, 8)])
+def test_a_dimension_split_checkpoint_restores_onto_another_mesh_shape(tmp_path, hosts, local):
+  """w (16 x 8) split along its columns (dimension 1), b and v flat: saved on 2x4 after 2
+  steps of top-k(0.5) + residual EF and AdamW, restored on 4x2 / 1x8: w and its moments keep
+  their shape, resharded bit for bit; the pending residual mass of every element of w,
+  summed over hosts, is conserved bit for bit (each device's block re-cut along the
+  columns), as for the flat leaves; it then trains."""
+  params, loss_fn, batch = _powersgd_problem()
+  specs = {"w": P(None, "local"), "b": P(), "v": P()}
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.5), feedback="residual"),
+                   optax.adamw(3e-2))
+  saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                        shard_over="local")
+  saved = saved_trainer.init(params, specs=specs)
+  for _ in range(2):
+    saved, _ = saved_trainer.step(saved, batch)
+  jaxcomm.checkpoint.save(tmp_path, 2, saved)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=hosts, local=local),
+                                  shard_over="local")
+  state = jaxcomm.checkpoint.restore(tmp_path, trainer.init(params, specs=specs), tx=tx,
+                                     params=params, shard_over="local")
+  chex.assert_trees_all_equal(trainer.model(state), saved_trainer.model(saved))
+  assert state.params["w"].sharding.shard_shape((16, 8)) == (16, 8 // local)
+  # AdamW's moments of w: each device's columns, stacked along rows; the same full moment
+  unstack = lambda mu, group: jnp.concatenate(list(jnp.asarray(mu).reshape(group, 16, -1)), 1)
+  for moment in ("mu", "nu"):
+    new, old = (getattr(s.opt_state[1][0], moment)["w"] for s in (state, saved))
+    assert new.shape == (16 * local, 8 // local) and new.sharding.spec == P("local")
+    chex.assert_trees_all_equal(unstack(new, local), unstack(old, 4))
+  order = [name for name, _ in sorted(params.items())]  # the leaves' order: b, v, w
+  levels = {name: level.residual for name, (_, level) in
+            zip(order, state.opt_state[0].level_states)}
+  old_levels = {name: level.residual for name, (_, level) in
+                zip(order, saved.opt_state[0].level_states)}
+  mass = _split_pending(old_levels["w"], 2, 4, (16, 8), 1)
+  chex.assert_trees_all_equal(_split_pending(levels["w"], hosts, local, (16, 8), 1), mass)
+  assert int(jnp.count_nonzero(mass)) > 5
+  for name, size in (("b", 8), ("v", 30)):
+    chex.assert_trees_all_equal(_pending(levels[name], hosts, local, size),
+                                _pending(old_levels[name], 2, 4, size))
+  _, loss = trainer.step(state, batch)
+  assert jnp.isfinite(loss)
