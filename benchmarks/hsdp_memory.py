@@ -6,7 +6,8 @@ For each mesh ``H x G`` with ``H * G`` devices (default 8: 8x1, 4x2, 2x4, 1x8) i
 reports per device:
 
 * the state it holds, from the arrays' own shards: parameters, AdamW moments, error-feedback
-  residuals (bytes one device stores);
+  state (residuals, and EF21's mean estimates where the compressor's feedback is
+  ``'estimate'``) (bytes one device stores);
 * the compiled step's ``memory_analysis()``: argument bytes (the state and the batch),
   output bytes (the new state: the step does not donate its arguments), temp bytes (XLA's
   scratch: gathered parameters, activations, gradients), and
@@ -16,6 +17,9 @@ and the bytes each device sends per step and axis, read from the compiled HLO by
 :mod:`jaxcomm.accounting`, next to the fast-axis formula ``2 (G-1)/G * 4 sum_leaves
 G ceil(d/G)`` (replicated: gradient reduce-scatter + mean all-gather; HSDP: parameter
 all-gather + gradient reduce-scatter).
+
+``--model gpt`` measures the byte-level GPT of ``models/gpt.py`` instead (``--layers``
+blocks of ``--width``, 32-byte windows, tied embedding).
 
 Run: ``python -m benchmarks.hsdp_memory`` (CPU, simulated devices; compile only, no step).
 """
@@ -35,11 +39,10 @@ def _device_bytes(tree) -> int:
   return total
 
 
-def _measure(mesh, layers: int, width: int, batch_size: int, shard_over):
+def _mlp(layers: int, width: int, batch_size: int):
+  """``(params, loss_fn, batch)`` of an MLP of ``layers`` square ``width`` layers."""
   import jax
   import jax.numpy as jnp
-  import optax
-  import jaxcomm
   keys = jax.random.split(jax.random.key(0), layers)
   params = [{"w": jax.random.normal(k, (width, width)) / width ** 0.5, "b": jnp.zeros(width)}
             for k in keys]
@@ -50,10 +53,34 @@ def _measure(mesh, layers: int, width: int, batch_size: int, shard_over):
       x = jnp.tanh(x @ layer["w"] + layer["b"])
     return jnp.mean(x ** 2)
 
+  return params, loss_fn, jnp.ones((batch_size, width))
+
+
+def _gpt(layers: int, width: int, batch_size: int):
+  """``(params, loss_fn, batch)`` of the byte-level GPT (models/gpt.py) with ``layers``
+  blocks of ``width`` (4 heads, MLP ``4 width``, tied embedding) on 32-byte windows."""
+  import jax.numpy as jnp
+  from models import gpt
+  from models.text import VOCAB
+  from models.transformer import TransformerConfig
+  config = TransformerConfig(vocab_size=VOCAB, d_model=width, num_heads=4, num_kv_heads=4,
+                             num_layers=layers, mlp_dim=4 * width)
+  graphdef, params = gpt.init_gpt(config, seed=0)
+  tokens = jnp.zeros((batch_size, 32), jnp.int32)
+  return params, gpt.lm_loss(graphdef), (tokens, tokens)
+
+
+MODELS = {"mlp": _mlp, "gpt": _gpt}
+
+
+def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over):
+  import jax
+  import optax
+  import jaxcomm
+  params, loss_fn, batch = MODELS[model](layers, width, batch_size)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign()), optax.adamw(1e-3))
   trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over)
   state = trainer.init(params)
-  batch = jnp.ones((batch_size, width))
   compiled = trainer.step.lower(state, batch).compile()
   stats = compiled.memory_analysis()
   sent = jaxcomm.accounting.report_from_hlo(compiled.as_text(), mesh).bytes_per_axes()
@@ -64,7 +91,8 @@ def _measure(mesh, layers: int, width: int, batch_size: int, shard_over):
           "both": sent.get(("host", "local"), 0.0), "fast_formula": fast,
           "params": _device_bytes(state.params),
           "moments": _device_bytes(state.opt_state[1]),
-          "residuals": _device_bytes(state.opt_state[0].level_states),
+          "residuals": _device_bytes((state.opt_state[0].level_states,
+                                      state.opt_state[0].estimates)),
           "argument": stats.argument_size_in_bytes, "temp": stats.temp_size_in_bytes,
           "output": stats.output_size_in_bytes, "alias": stats.alias_size_in_bytes}
 
@@ -72,6 +100,7 @@ def _measure(mesh, layers: int, width: int, batch_size: int, shard_over):
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=8)
+  parser.add_argument("--model", default="mlp", choices=sorted(MODELS))
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--batch", type=int, default=64, help="global batch size")
@@ -80,9 +109,10 @@ def main() -> None:
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import jaxcomm
-  print(f"MLP {args.layers} x ({args.width}x{args.width} + bias), fp32, "
-        f"sign+EF + AdamW, global batch {args.batch}; KiB per device")
-  print("| H x G | mode | params | AdamW moments | EF residuals | state | argument | output "
+  shape = (f"MLP {args.layers} x ({args.width}x{args.width} + bias)" if args.model == "mlp"
+           else f"GPT {args.layers} blocks of width {args.width}, 32-byte windows")
+  print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}; KiB per device")
+  print("| H x G | mode | params | AdamW moments | EF state | state | argument | output "
         "| temp | peak |")
   print("|---|---|---|---|---|---|---|---|---|---|")
   rows = []
@@ -90,7 +120,7 @@ def main() -> None:
   for group in groups:
     mesh = jaxcomm.make_mesh(hosts=args.devices // group, local=group)
     for mode, shard_over in (("replicated", None), ("hsdp", "local")):
-      m = _measure(mesh, args.layers, args.width, args.batch, shard_over)
+      m = _measure(mesh, args.model, args.layers, args.width, args.batch, shard_over)
       state = m["params"] + m["moments"] + m["residuals"]
       peak = m["argument"] + m["output"] + m["temp"] - m["alias"]
       kib = lambda b: f"{b / 1024:.1f}"

@@ -367,9 +367,11 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   ``data_parallel(..., shard_over=axis)`` as ``target``, ``trainer.init(params)``): pass
   ``shard_over=axis`` with ``tx`` and the full ``params`` too. Each flat leaf of a
   ``d``-element parameter (parameters, Adam moments) was saved padded to ``G ceil(d/G)``; its
-  first ``d`` entries are restored, zero-padded to ``G' ceil(d/G')``. The residuals follow
-  ``residuals`` as above, each parameter leaf being one bucket (with ``bucket_bytes=``, only
-  ``'reset'``). docs/hsdp.md, "Checkpoints".
+  first ``d`` entries are restored, zero-padded to ``G' ceil(d/G')``; a leaf split along a
+  dimension keeps its shape and its moments are re-cut. The residuals follow ``residuals`` as
+  above, each parameter leaf being one bucket (with ``bucket_bytes=``, only ``'reset'``).
+  Per-host parameters (local SGD, DiLoCo, 0/1 Adam) restore on the saved mesh shape only.
+  docs/hsdp.md, "Checkpoints".
 
   Args:
     directory: the checkpoint root given to :func:`save`.
@@ -519,14 +521,17 @@ class _Layout:
 
   ``saved``, ``elements`` and ``fresh``: the :class:`CompressedAllReduceState` s of ``tx`` traced
   on the saved mesh, on a mesh of one device (each bucket's gradient size) and initialized on
-  the target mesh.
+  the target mesh. ``blocks``: per bucket, ``None`` (device ``i``'s residual covers the
+  bucket's contiguous elements ``[i n, (i+1) n)``) or ``(shape, dim)``: the bucket is a leaf of
+  ``shape`` split along ``dim > 0`` (:func:`_split_order`).
   """
 
-  def __init__(self, saved, elements, fresh, saved_mesh: dict[str, int], mesh: Mesh):
+  def __init__(self, saved, elements, fresh, saved_mesh: dict[str, int], mesh: Mesh,
+               blocks: tuple = ()):
     _check_two_axes(saved_mesh, mesh)
     self.mesh, self.saved_sizes = mesh, tuple(saved_mesh.values())
     self.sizes = tuple(mesh.shape.values())
-    self.saved, self.elements, self.fresh = saved, elements, fresh
+    self.saved, self.elements, self.fresh, self.blocks = saved, elements, fresh, blocks
 
   @classmethod
   def replicated(cls, tx, params, params_spec, saved_mesh: dict[str, int], mesh: Mesh):
@@ -558,20 +563,26 @@ class _Layout:
     the mean stays the mean of the devices' estimates."""
     nodes = []
     for node, fresh, units in zip(_allreduce_states(restored), self.fresh, self.elements):
-      levels = tuple(self._bucket(old, new, unit, residuals) for old, new, unit
-                     in zip(node.level_states, fresh.level_states, units.level_states))
+      blocks = (self.blocks if len(self.blocks) == len(node.level_states)
+                else (None,) * len(node.level_states))
+      levels = tuple(self._bucket(old, new, unit, residuals, block) for old, new, unit, block
+                     in zip(node.level_states, fresh.level_states, units.level_states, blocks))
       estimates = tuple(
           new if any(isinstance(state, EstimateFeedbackState) for state in bucket) else old
           for old, new, bucket in zip(node.estimates, fresh.estimates, fresh.level_states))
       nodes.append(node._replace(level_states=levels, estimates=estimates))
     return _replace_allreduce_states(restored, nodes)
 
-  def _move(self, old, new, kind: str, elements: int) -> jax.Array:
+  def _move(self, old, new, kind: str, elements: int, block=None) -> jax.Array:
     length = new.shape[0] // self.mesh.size
+    if block is not None:
+      old = _split_order(old, self.saved_sizes, *block, True)
     moved = _moved_residual(old, kind, self.saved_sizes, self.sizes, elements, length)
+    if block is not None:
+      moved = _split_order(moved, self.sizes, *block, False)
     return jax.device_put(moved.astype(new.dtype), new.sharding)
 
-  def _bucket(self, old: tuple, new: tuple, unit: tuple, residuals: str) -> tuple:
+  def _bucket(self, old: tuple, new: tuple, unit: tuple, residuals: str, block=None) -> tuple:
     if residuals == "reset":
       return new
     if len(old) != 2 or old[0] != ():
@@ -581,13 +592,46 @@ class _Layout:
     old, new, unit = old[1], new[1], unit[1]
     if isinstance(old, ErrorFeedbackState):
       return (), new._replace(residual=self._move(old.residual, new.residual, "flat",
-                                                  unit.residual.shape[0]))
+                                                  unit.residual.shape[0], block))
+    if isinstance(old, TwoPhaseState) and block is not None:
+      raise ValueError(f"residuals='sum' maps two-phase residuals of flat shards; a leaf of "
+                       f"shape {block[0]} split along dimension {block[1]} has them: restore "
+                       "on the saved mesh shape or pass residuals='reset'.")
     if isinstance(old, TwoPhaseState):
       elements = unit.worker_residual.shape[0]
       return (), TwoPhaseState(
           self._move(old.worker_residual, new.worker_residual, "worker", elements),
           self._move(old.server_residual, new.server_residual, "server", elements))
     return (), new
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _split_order(residual: jax.Array, sizes: tuple[int, int], shape: tuple, dim: int,
+                 to_moved: bool) -> jax.Array:
+  """Every device's residual of a leaf of ``shape`` split along ``dim`` over the fast axis of
+  a ``sizes = (H, G)`` mesh, from the block's own row-major order to the order of the block
+  with ``dim`` moved first (``to_moved``), or back. In the moved order device ``i``'s block
+  is elements ``[i n, (i+1) n)`` of the leaf with ``dim`` moved first, ``n = d/G``: the
+  layout of a flat shard, which :func:`_moved_residual` maps. ``residual``: ``(H G n,)``."""
+  hosts, local = sizes
+  block = list(shape)
+  block[dim] //= local
+  if to_moved:
+    return jnp.moveaxis(residual.reshape(hosts * local, *block), 1 + dim, 1).reshape(-1)
+  moved = [block[dim]] + block[:dim] + block[dim + 1:]
+  return jnp.moveaxis(residual.reshape(hosts * local, *moved), 1, 1 + dim).reshape(-1)
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4))
+def _restacked(stacked: jax.Array, shape: tuple, dim: int, local: int,
+               new_local: int) -> jax.Array:
+  """Optimizer state of a leaf of ``shape`` split along ``dim``, kept as the devices' blocks
+  stacked along the first dimension (``jaxcomm.optim.state_specs``' layout of a device-local
+  leaf: ``(G shape[0], ...)`` for ``dim > 0``), re-cut for ``new_local`` devices."""
+  block = list(shape)
+  block[dim] //= local
+  full = jnp.concatenate(list(stacked.reshape(local, *block)), axis=dim)
+  return jnp.concatenate(jnp.split(full, new_local, axis=dim), axis=0)
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2), static_argnames="sharding")
@@ -597,9 +641,10 @@ def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.A
                                           sharding)
 
 
-def _check_flat_shards(target, axis: str, saved_mesh: dict[str, int]) -> None:
-  """Refuses a target :func:`restore` cannot map onto another mesh shape under
-  ``shard_over``: not a ``TrainState``, per-host or dimension-split parameters."""
+def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple:
+  """Per parameter leaf of ``target``, ``None`` (a flat shard) or the dimension split over
+  ``axis``; refuses a target :func:`restore` cannot map onto another mesh shape under
+  ``shard_over``: not a ``TrainState``, or per-host parameters."""
   if not (hasattr(target, "params") and hasattr(target, "opt_state")):
     raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
                      "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
@@ -613,10 +658,10 @@ def _check_flat_shards(target, axis: str, saved_mesh: dict[str, int]) -> None:
                        f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
                        f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
                        "mesh shape.")
-    if len(leaf.shape) != 1:
-      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps flat shards; "
-                       f"params{jax.tree_util.keystr(path)} is split along a dimension "
-                       f"(shape {tuple(leaf.shape)}): restore on the saved mesh shape.")
+  # A 1-D leaf split along its only dimension is laid out as a flat shard is.
+  return tuple(None if len(leaf.shape) == 1 else
+               next(i for i, entry in enumerate(leaf.sharding.spec) if entry == axis)
+               for leaf in jax.tree.leaves(target.params))
 
 
 class _ShardedLayout:
@@ -626,20 +671,25 @@ class _ShardedLayout:
   Every flat leaf (parameters and the optimizer state shaped like them, e.g. Adam moments)
   of a ``d``-element parameter was saved zero-padded to ``G ceil(d/G)``: its first ``d``
   entries are kept and zero-padded to ``G' ceil(d/G')`` (what lies beyond ``d`` is padding the
-  loss never reads). compressed_allreduce's level states follow ``residuals`` by
-  :class:`_Layout`: device ``(h, i)``'s slow-level residual covers elements
-  ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of host ``h``'s leaf, which is the replicated path's
-  layout after its reduce-scatter with the leaf as the bucket.
+  loss never reads). A parameter split along a dimension keeps its shape on every mesh (the
+  target's ``G'`` divides it) and is resharded as it is; optimizer state shaped like its
+  block (Adam moments) is stored as the devices' blocks stacked along the first dimension
+  and is re-cut (:func:`_restacked`).
+  compressed_allreduce's level states follow ``residuals`` by :class:`_Layout`: device
+  ``(h, i)``'s slow-level residual covers elements ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of
+  host ``h``'s leaf (of the leaf with its split dimension moved first, for a split leaf),
+  which is the replicated path's layout after its reduce-scatter with the leaf as the bucket.
   """
 
   def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
-    _check_flat_shards(target, axis, saved_mesh)
+    dims = _split_dims(target, axis, saved_mesh)
     self.mesh, self.target, self.axis = _target_mesh(target), target, axis
     leaves, self.treedef = jax.tree.flatten(params)
-    layout = hsdp.ShardLayout(tuple(tuple(jnp.shape(leaf)) for leaf in leaves), axis,
-                              (None,) * len(leaves))
-    self.tx, self.spec = hsdp.on_shards(tx, layout), PartitionSpec(axis)
-    self.leaves = [(math.prod(jnp.shape(leaf)), jnp.result_type(leaf)) for leaf in leaves]
+    shapes = tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
+    layout = hsdp.ShardLayout(shapes, axis, dims)
+    self.leaves = [(math.prod(shape), jnp.result_type(leaf), shape, dim)
+                   for leaf, shape, dim in zip(leaves, shapes, dims)]
+    self.tx, self.spec = hsdp.on_shards(tx, layout), hsdp.layout_specs(self._shards(1), layout)
     self.saved_group = saved_mesh[axis]
     self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)
     self.saved_specs = state_specs(self.tx, self._shards(self.saved_group),
@@ -655,12 +705,18 @@ class _ShardedLayout:
     zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype),
                          self._shards(self.mesh.shape[axis]))
     fresh = sharded_init(self.tx, zeros, self.mesh, self.spec)[0]
+    blocks = tuple((shape, dim) if dim else None for shape, dim in zip(shapes, dims))
+    # Saved shape of a split leaf's stacked blocks -> (leaf shape, split dimension).
+    self.stacked = {(self.saved_group * shape[0], *shape[1:dim], shape[dim] // self.saved_group,
+                     *shape[dim + 1:]): (shape, dim) for shape, dim in zip(shapes, dims) if dim}
     self.allreduce = _Layout(_allreduce_states(self.saved), _allreduce_states(self.unit),
-                             _allreduce_states(fresh), saved_mesh, self.mesh)
+                             _allreduce_states(fresh), saved_mesh, self.mesh, blocks)
 
   def _shards(self, group: int):
-    return self.treedef.unflatten([jax.ShapeDtypeStruct((group * -(-size // group),), dtype)
-                                   for size, dtype in self.leaves])
+    """Abstract parameter shards on a fast axis of ``group`` devices: flat, or full-shaped."""
+    return self.treedef.unflatten([
+        jax.ShapeDtypeStruct((group * -(-size // group),) if dim is None else shape, dtype)
+        for size, dtype, shape, dim in self.leaves])
 
   def saved_target(self, target):
     place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
@@ -682,6 +738,9 @@ class _ShardedLayout:
     sharding = getattr(target, "sharding", None)
     over = saved_spec[0] if len(saved_spec) else None
     over = over if isinstance(over, tuple) else (over,)
+    if over == (self.axis,) and tuple(saved.shape) in self.stacked:
+      value = _restacked(value, *self.stacked[tuple(saved.shape)], self.saved_group,
+                         self.mesh.shape[self.axis])
     if len(saved.shape) != 1 or self.axis not in over:
       return jax.device_put(value, sharding)
     if over == (self.axis,):
@@ -703,9 +762,11 @@ class _ShardedLayout:
                        f"parameter leaf ({len(self.leaves)}); this compressed_allreduce packs "
                        f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
     opt_state = self.allreduce.mapped(restored.opt_state, residuals)
-    params = [_repadded(value, size, target.shape[0], sharding=target.sharding)
-              for value, (size, _), target in zip(jax.tree.leaves(restored.params), self.leaves,
-                                                  jax.tree.leaves(self.target.params))]
+    params = [jax.device_put(value, target.sharding) if dim is not None else
+              _repadded(value, size, target.shape[0], sharding=target.sharding)
+              for value, (size, _, _, dim), target in zip(
+                  jax.tree.leaves(restored.params), self.leaves,
+                  jax.tree.leaves(self.target.params))]
     return restored._replace(
         params=self.treedef.unflatten(params),
         opt_state=jax.tree.map(functools.partial(self._leaf, residuals), opt_state, self.saved,

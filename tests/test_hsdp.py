@@ -229,7 +229,14 @@ def test_powersgd_factorizes_column_blocks_equal_to_its_replicated_run():
 
 PERIODIC = {"local_sgd": lambda: jaxcomm.local_sgd(optax.sgd(0.1, momentum=0.9), 2),
             "diloco": lambda: jaxcomm.diloco(optax.adamw(1e-2), 2),
-            "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1)}
+            "slowmo": lambda: jaxcomm.optim.slowmo(optax.sgd(0.1), 2, 0.1),
+            # momentum=None: 1 - 1/N for the N = 2 workers (hosts), not the 8 devices
+            "bmuf": lambda: jaxcomm.optim.bmuf(optax.sgd(0.1), 2),
+            # one client per host: weighted by the hosts' sample counts, or one sampled a round
+            "fedprox": lambda: jaxcomm.optim.fedprox(optax.sgd(0.1), 2, 0.5,
+                                                     client_sizes=(1.0, 3.0)),
+            "fedavg_sampled": lambda: jaxcomm.optim.fedavg(optax.sgd(0.1), 2,
+                                                           clients_per_round=1)}
 
 
 def test_dgc_on_shards_equals_its_replicated_run():
@@ -263,7 +270,7 @@ def _hosts_as_workers(make, params, loss_fn, batches):
 
 @pytest.mark.parametrize("name", sorted(PERIODIC))
 def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(name):
-  """Local SGD, DiLoCo, SlowMo (period 2, 4 steps: two synchronizations) under
+  """Local SGD, DiLoCo, SlowMo, BMUF, FedProx, FedAvg (period 2, 4 steps: two rounds) under
   shard_over: each host keeps its own flat shards (P(('host', 'local'))), a host's G devices
   together are one worker; the mean model equals the same algorithm run with one device per
   host holding the whole model."""
@@ -307,6 +314,42 @@ def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
                               atol=1e-6)
 
 
+def test_zero_one_adam_on_per_host_shards_equals_its_device_local_run():
+  """0/1 Adam's workers are the hosts under shard_over: per-host parameter, momentum and
+  anchor shards, the frozen variance sharded and replicated over hosts, and its 1-bit
+  exchange of each device's shard across hosts. Each host's 4 devices get the same rows, so
+  the device-local run on the same 2x4 mesh (every device a worker, full precision inside
+  the host, sign across hosts on the same 1/G shards) must agree, through all four kinds of
+  step (variance, 1-bit, local, synchronization) and padded leaves (15, 4, 7 elements)."""
+  params, loss_fn, (inputs, targets) = _problem()
+  make = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=3, var_update_scaler=1,
+                                       local_step_scaler=1, local_step_clipper=4)
+  # rows 0-7 on host 0's four devices, rows 8-15 on host 1's
+  host_rows = lambda x: jnp.concatenate([jnp.tile(x[:8], (4, 1)), jnp.tile(x[8:16], (4, 1))])
+  batches = [(host_rows(inputs) * (1 + 0.1 * t), host_rows(targets)) for t in range(8)]
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  trainer = jaxcomm.data_parallel(loss_fn, make(), mesh, shard_over="local")
+  state = trainer.init(params)
+  for batch in batches:
+    state, _ = trainer.step(state, batch)
+  chex.assert_trees_all_equal(state.opt_state.steps_per_kind, jnp.array([2, 1, 3, 2]))
+  assert state.params["w"].shape == (2 * 16,)
+  for leaf in (state.params["w"], state.opt_state.mu["w"], state.opt_state.anchor["w"]):
+    assert leaf.sharding.spec == P(("host", "local"))  # 1/G of a host's model per device
+  nu = state.opt_state.nu["w"]
+  assert nu.shape == (16,) and nu.sharding.spec == P("local")
+  tx = make()
+  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
+  step = jaxcomm.optim.local_training_step(
+      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
+  for batch in batches:
+    local, opt_state, _ = step(local, opt_state, batch)
+  reference = jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)), reference,
+                              atol=1e-6)
+
+
 def test_streaming_diloco_runs_on_per_host_shards():
   """Its 4-bit quantized sync quantizes each device's shard in its own chunk, not the
   whole leaf, so it is not compared; it trains."""
@@ -323,8 +366,6 @@ REFUSED = {
     "adafactor": (lambda: optax.chain(jaxcomm.compressed_allreduce(),
                                       optax.adafactor(1e-2, min_dim_size_to_factor=2)),
                   "adafactor"),
-    "zero_one_adam": (lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2),
-                      "zero_one_adam needs device-loc"),
     "no_allreduce": (lambda: optax.adamw(1e-2), "differ across mesh axes"),
 }
 
@@ -534,3 +575,56 @@ def test_bad_parameter_specs_are_refused_naming_the_leaf(specs, shard_over, mess
                                   shard_over=shard_over)
   with pytest.raises(ValueError, match=message):
     trainer.init(params, specs=specs)
+
+
+def _split_pending(residual, hosts, local, shape, dim):
+  """Per element of a leaf of ``shape`` split along ``dim``: the pending mass summed over
+  hosts (each device's residual is its block, flattened row-major)."""
+  block = list(shape)
+  block[dim] //= local
+  blocks = jnp.asarray(residual).reshape(hosts, local, *block)
+  return jnp.concatenate(list(jnp.moveaxis(blocks, 1, 0)), axis=1 + dim).sum(axis=0)
+
+
+@pytest.mark.parametrize("hosts,local", [(4, 2), (1, 8)])
+def test_a_dimension_split_checkpoint_restores_onto_another_mesh_shape(tmp_path, hosts, local):
+  """w (16 x 8) split along its columns (dimension 1), b and v flat: saved on 2x4 after 2
+  steps of top-k(0.5) + residual EF and AdamW, restored on 4x2 / 1x8: w and its moments keep
+  their shape, resharded bit for bit; the pending residual mass of every element of w,
+  summed over hosts, is conserved bit for bit (each device's block re-cut along the
+  columns), as for the flat leaves; it then trains."""
+  params, loss_fn, batch = _powersgd_problem()
+  specs = {"w": P(None, "local"), "b": P(), "v": P()}
+  tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.5), feedback="residual"),
+                   optax.adamw(3e-2))
+  saved_trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                        shard_over="local")
+  saved = saved_trainer.init(params, specs=specs)
+  for _ in range(2):
+    saved, _ = saved_trainer.step(saved, batch)
+  jaxcomm.checkpoint.save(tmp_path, 2, saved)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=hosts, local=local),
+                                  shard_over="local")
+  state = jaxcomm.checkpoint.restore(tmp_path, trainer.init(params, specs=specs), tx=tx,
+                                     params=params, shard_over="local")
+  chex.assert_trees_all_equal(trainer.model(state), saved_trainer.model(saved))
+  assert state.params["w"].sharding.shard_shape((16, 8)) == (16, 8 // local)
+  # AdamW's moments of w: each device's columns, stacked along rows; the same full moment
+  unstack = lambda mu, group: jnp.concatenate(list(jnp.asarray(mu).reshape(group, 16, -1)), 1)
+  for moment in ("mu", "nu"):
+    new, old = (getattr(s.opt_state[1][0], moment)["w"] for s in (state, saved))
+    assert new.shape == (16 * local, 8 // local) and new.sharding.spec == P("local")
+    chex.assert_trees_all_equal(unstack(new, local), unstack(old, 4))
+  order = [name for name, _ in sorted(params.items())]  # the leaves' order: b, v, w
+  levels = {name: level.residual for name, (_, level) in
+            zip(order, state.opt_state[0].level_states)}
+  old_levels = {name: level.residual for name, (_, level) in
+                zip(order, saved.opt_state[0].level_states)}
+  mass = _split_pending(old_levels["w"], 2, 4, (16, 8), 1)
+  chex.assert_trees_all_equal(_split_pending(levels["w"], hosts, local, (16, 8), 1), mass)
+  assert int(jnp.count_nonzero(mass)) > 5
+  for name, size in (("b", 8), ("v", 30)):
+    chex.assert_trees_all_equal(_pending(levels[name], hosts, local, size),
+                                _pending(old_levels[name], 2, 4, size))
+  _, loss = trainer.step(state, batch)
+  assert jnp.isfinite(loss)

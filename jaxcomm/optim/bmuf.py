@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.mesh_axes import device_count, manual_axes
-from jaxcomm.optim.periodic import periodic_averaging
+from jaxcomm.mesh_axes import device_count
+from jaxcomm.optim.periodic import periodic_averaging, worker_axes
 from jaxcomm.validation import (check_bool, check_int_range, check_learning_rate,
                                 check_unit_interval)
 
@@ -38,8 +38,9 @@ def block_momentum(momentum: float | None, block_learning_rate: optax.ScalarOrSc
   look-ahead point (measuring it from ``W_g`` instead counts ``momentum Delta_prev`` twice and
   diverges for ``momentum >= 1/2``). ``W_g = W_init - momentum Delta_prev`` is implicit and the
   step of ``W_init`` is ``(1 + momentum) Delta - momentum Delta_prev``. ``momentum=None`` is
-  ``1 - 1/N`` for the ``N`` devices of the enclosing ``shard_map``. ``block_learning_rate``
-  is a float or an optax schedule of the block.
+  ``1 - 1/N`` for the ``N`` workers of the enclosing ``shard_map``: its devices, or its hosts
+  under ``data_parallel(..., shard_over=)`` (:func:`~jaxcomm.optim.periodic.worker_axes`).
+  ``block_learning_rate`` is a float or an optax schedule of the block.
   """
   rate = check_learning_rate("block_learning_rate", block_learning_rate)
 
@@ -49,7 +50,7 @@ def block_momentum(momentum: float | None, block_learning_rate: optax.ScalarOrSc
 
   def update(pseudo_gradient, state: BlockMomentumState, params=None):
     del params
-    eta = 1 - 1 / device_count(manual_axes("bmuf")) if momentum is None else momentum
+    eta = 1 - 1 / device_count(worker_axes("bmuf")) if momentum is None else momentum
     lookahead = eta if nesterov else 0.0
     zeta = rate(state.count)
     new = jax.tree.map(lambda delta, previous: eta * previous - zeta * delta,
@@ -71,12 +72,13 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
   momentum, ``Delta = momentum Delta_prev + block_learning_rate (mean_i theta_i - W_g)``,
   ``W_g <- W_g + Delta``, and every device restarts from ``W_g`` (classical) or
   ``W_g + momentum Delta`` (Nesterov). ``momentum = 0, block_learning_rate = 1`` is local SGD
-  exactly. The defaults are the paper's, ``momentum = 1 - 1/N`` for ``N`` devices and
-  ``block_learning_rate = 1``: averaging ``N`` models moves about ``1/N`` as far as ``N``
-  sequential blocks would, and the filter's gain ``1/(1 - momentum) = N`` makes up for it.
-  Compared with :func:`jaxcomm.optim.slowmo` (which generalizes it), the
-  momentum is of model updates rather than of learning-rate-normalized gradients, and the
-  Nesterov variant moves the starting point rather than the global model.
+  exactly. The defaults are the paper's, ``momentum = 1 - 1/N`` for ``N`` workers (devices;
+  hosts under ``shard_over``) and ``block_learning_rate = 1``: averaging ``N`` models moves
+  about ``1/N`` as far as ``N`` sequential blocks would, and the filter's gain
+  ``1/(1 - momentum) = N`` makes up for it. Compared with :func:`jaxcomm.optim.slowmo`
+  (which generalizes it), the momentum is of model updates rather than of
+  learning-rate-normalized gradients, and the Nesterov variant moves the starting point
+  rather than the global model.
 
   State: :class:`~jaxcomm.optim.periodic.PeriodicState` whose ``outer`` holds a
   :class:`BlockMomentumState` (replicated).
@@ -88,7 +90,7 @@ def bmuf(inner: optax.GradientTransformation, period: int, *, momentum: float | 
   Args:
     inner: the device-local optimizer, e.g. ``optax.sgd(0.1, momentum=0.9)``.
     period: ``tau >= 1`` local steps per block.
-    momentum: block momentum ``eta`` in ``[0, 1)``; ``None``: ``1 - 1/N`` for ``N`` devices.
+    momentum: block momentum ``eta`` in ``[0, 1)``; ``None``: ``1 - 1/N`` for ``N`` workers.
     block_learning_rate: ``zeta > 0``, a float or an optax schedule of the block.
     nesterov: Nesterov block momentum (BMUF-NBM) or classical (BMUF-CBM).
     sync: averaging transformation (default dense :func:`jaxcomm.compressed_allreduce`).

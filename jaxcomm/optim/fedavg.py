@@ -32,8 +32,8 @@ def client_weights(client_sizes: np.ndarray | None, clients_per_round: int | Non
     me = device_index(axes)
     count = device_count(axes)
     if client_sizes is not None and client_sizes.size != count:
-      raise ValueError(f"client_sizes has {client_sizes.size} entries for {count} devices "
-                       "(one client per device).")
+      raise ValueError(f"client_sizes has {client_sizes.size} entries for {count} clients "
+                       "(one per device; one per host under data_parallel(..., shard_over=)).")
     sizes = jnp.ones(count) if client_sizes is None else jnp.asarray(client_sizes)
     if clients_per_round is None:
       sampled = jnp.ones(count, jnp.bool_)
@@ -53,7 +53,8 @@ def fedavg(inner: optax.GradientTransformation, period: int, *,
            mu: float = 0.0, server_learning_rate: optax.ScalarOrSchedule = 1.0,
            sync: optax.GradientTransformation | None = None,
            seed: int | jax.Array = 0) -> optax.GradientTransformation:
-  """FedAvg (FedProx with ``mu > 0``): each device is a client.
+  """FedAvg (FedProx with ``mu > 0``): each device is a client (each host under
+  ``jaxcomm.data_parallel(..., shard_over=)``, its model kept as ``1/G`` shards).
 
   Every round of ``period`` steps, ``clients_per_round`` clients are drawn without
   replacement from a PRNG key shared by all devices; the server sets
@@ -71,7 +72,7 @@ def fedavg(inner: optax.GradientTransformation, period: int, *,
   Args:
     inner: the client optimizer, e.g. ``optax.sgd(0.1)``.
     period: ``>= 1`` client steps per round.
-    client_sizes: per-client sample counts ``n_k`` (one per device); ``None``: equal.
+    client_sizes: per-client sample counts ``n_k`` (one per client); ``None``: equal.
     clients_per_round: clients sampled per round; ``None``: all.
     mu: FedProx proximal coefficient ``>= 0``.
     server_learning_rate: a float ``> 0`` or an optax schedule of the round.

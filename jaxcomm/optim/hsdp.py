@@ -134,14 +134,33 @@ def layout_specs(shards, layout: ShardLayout):
                             [_spec(dim, layout.axis) for dim in layout.dims])
 
 
+# State types of the algorithms that keep one model per worker between synchronizations.
+_PER_WORKER_STATES = ("PeriodicState", "ZeroOneAdamState")
+
+
+def _slow_axes(mesh: Mesh, axis: str) -> tuple[tuple, int]:
+  """The axes other than ``axis`` (the hosts') and their number of devices."""
+  slow = tuple(a for a in mesh.axis_names if a != axis)
+  return slow, math.prod(mesh.shape[a] for a in slow)
+
+
 def keeps_per_host_params(tx: optax.GradientTransformation, shards, mesh: Mesh,
                           layout: ShardLayout) -> bool:
-  """Whether ``tx`` (made with :func:`on_shards`) keeps per-worker parameters between
-  synchronizations (its state holds a ``PeriodicState``: local SGD, DiLoCo, streaming
-  DiLoCo, SlowMo, FedAvg), traced without computing."""
-  specs = state_specs(tx, shards, mesh, layout_specs(shards, layout))
-  nodes = jax.tree.leaves(specs, is_leaf=lambda n: type(n).__name__ == "PeriodicState")
-  return any(type(node).__name__ == "PeriodicState" for node in nodes)
+  """Whether ``tx`` keeps per-worker parameters between synchronizations (its state holds a
+  ``PeriodicState``: local SGD, DiLoCo, streaming DiLoCo, SlowMo, BMUF, FedAvg; or a
+  ``ZeroOneAdamState``: 0/1 Adam's local steps), traced without computing on the flat
+  per-host shards :func:`per_host_params` would make (these algorithms refuse parameters
+  replicated over their workers)."""
+  slow, copies = _slow_axes(mesh, layout.axis)
+  flat = layout._replace(dims=(None,) * len(layout.dims), per_host=slow)
+  group = mesh.shape[layout.axis]
+  abstract = [jax.ShapeDtypeStruct((copies * group * -(-math.prod(shape) // group),),
+                                   leaf.dtype)
+              for leaf, shape in zip(jax.tree.leaves(shards), layout.shapes)]
+  abstract = jax.tree.unflatten(jax.tree.structure(shards), abstract)
+  specs = state_specs(on_shards(tx, flat), abstract, mesh, layout_specs(abstract, flat))
+  nodes = jax.tree.leaves(specs, is_leaf=lambda n: type(n).__name__ in _PER_WORKER_STATES)
+  return any(type(node).__name__ in _PER_WORKER_STATES for node in nodes)
 
 
 def per_host_params(shards, layout: ShardLayout, mesh: Mesh) -> tuple[Any, ShardLayout]:
@@ -151,8 +170,7 @@ def per_host_params(shards, layout: ShardLayout, mesh: Mesh) -> tuple[Any, Shard
   if any(dim is not None for dim in layout.dims):
     raise ValueError("per-host parameters (local SGD, DiLoCo, SlowMo under shard_over) need "
                      "flat shards; drop the PartitionSpec / nnx.with_partitioning annotations.")
-  slow = tuple(a for a in mesh.axis_names if a != layout.axis)
-  copies = math.prod(mesh.shape[a] for a in slow)
+  slow, copies = _slow_axes(mesh, layout.axis)
   sharding = NamedSharding(mesh, PartitionSpec((*slow, layout.axis)))
   tiled = jax.tree.map(lambda leaf: jax.jit(lambda x: jnp.tile(x, copies),
                                             out_shardings=sharding)(leaf), shards)
@@ -279,7 +297,7 @@ def init_sharded(tx: optax.GradientTransformation, params, specs, mesh: Mesh, ax
   split as ``specs`` says (flat where it names no axis), per host when ``tx`` keeps per-worker
   parameters (:func:`keeps_per_host_params`), and ``tx``'s state on them."""
   shards, layout = shard_params(params, mesh, axis, leaf_dims(params, specs, mesh, axis))
-  if keeps_per_host_params(on_shards(tx, layout), shards, mesh, layout):
+  if keeps_per_host_params(tx, shards, mesh, layout):
     shards, layout = per_host_params(shards, layout, mesh)
   opt_state, _ = init_on_shards(on_shards(tx, layout), shards, mesh, layout)
   return shards, opt_state, layout
@@ -294,9 +312,8 @@ def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, layout:
   except (TypeError, ValueError) as error:
     raise ValueError(
         f"shard_over={axis!r}: tx.init fails on flat parameter shards (different on each "
-        f"device of {axis!r}, replicated over the other axes): {error} Algorithms that keep "
-        "per-device state outside the periodic-averaging engine (jaxcomm.zero_one_adam, bmuf) "
-        "cannot run on shards; use shard_over=None.") from error
+        f"device of {axis!r}, replicated over the other axes, or per host for the algorithms "
+        f"that keep one model per worker): {error} Use shard_over=None.") from error
   check_shardable(tx, shards, opt_state, specs, mesh, axis, params_specs,
                   per_host=bool(layout.per_host))
   return opt_state, specs
@@ -311,9 +328,8 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   (only scalar agreements such as the non-finite check): its fast level is the
   reduce-scatter already done, and shards differ across ``axis``, so averaging them there
   (e.g. ``jaxcomm.dgc`` or a pmean over every axis) would be wrong; and its updates are the
-  same on every host, as the replicated shards need (not so for per-device parameters
-  between synchronizations: BMUF, 0/1 Adam's local steps), unless ``per_host`` (the
-  parameters are per-host, :func:`per_host_params`: local SGD, DiLoCo, SlowMo).
+  same on every host, as the replicated shards need, unless ``per_host`` (the parameters
+  are per-host, :func:`per_host_params`: local SGD, DiLoCo, SlowMo, BMUF, FedAvg, 0/1 Adam).
 
   Raises:
     ValueError: naming the transformation or the collective, its axes and its operand.
@@ -351,9 +367,10 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
     raise ValueError(
         f"shard_over={axis!r}: tx.update returns updates that differ across mesh axes "
         f"{tuple(sorted(set().union(*differing)))}, but the parameter shards are replicated "
-        "over them. Per-host parameters are kept for the periodic-averaging algorithms only "
-        "(jaxcomm.local_sgd, diloco, streaming_diloco, slowmo); others (bmuf, zero_one_adam, "
-        "an optimizer without an allreduce) cannot run on shards: put "
+        "over them. Per-host parameters are kept only for the algorithms that keep one model "
+        "per worker (the periodic-averaging engine: jaxcomm.local_sgd, diloco, "
+        "streaming_diloco, slowmo, bmuf, fedavg; and zero_one_adam); others (e.g. an "
+        "optimizer without an allreduce) cannot run on shards: put "
         "jaxcomm.compressed_allreduce(...) first in the chain, or use shard_over=None.")
 
 

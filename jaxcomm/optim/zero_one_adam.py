@@ -146,7 +146,9 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     The parameters of all devices are equal after every step up to the freeze and, to the
     rounding of ``p + (new - p)`` in ``optax.apply_updates``, after every synchronization
     (the state's ``anchor`` holds the exact synchronized parameters; a device's rounding is
-    part of its next accumulated momentum, so it never grows).
+    part of its next accumulated momentum, so it never grows). Under
+    ``jaxcomm.data_parallel(..., shard_over=fast_axis)`` each host is one worker holding its
+    parameters, momentum and anchor as ``1/G`` shards (docs/hsdp.md).
 
   References:
     Lu, Li, He, Tang, Zhang, Wang, Gao, Zhang & Yang, "Maximizing Communication Efficiency
