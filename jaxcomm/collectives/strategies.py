@@ -28,7 +28,6 @@ chunks are all-gathered.
 from __future__ import annotations
 
 import functools
-import types
 from typing import Any, NamedTuple
 
 import jax
@@ -65,70 +64,10 @@ def over_axis(axis: str) -> AxisContext:
   return AxisContext(jax.lax.axis_size(axis), lambda value: jax.lax.pmax(value, axis))
 
 
-_SCALARS = (bool, int, float, complex, str, bytes, type, np.dtype, type(None))
-
-
-class _Identity:
-  """A value compared by identity (a key part for values :func:`_structure` cannot see into)."""
-  __slots__ = ("value",)
-
-  def __init__(self, value):
-    self.value = value
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, _Identity) and other.value is self.value
-
-  def __hash__(self) -> int:
-    return id(self.value)
-
-
-def _structure(value, visiting: frozenset = frozenset()):
-  """A hashable key equal for two values that compute alike: a function by its code, defaults
-  and closed-over values, a tuple (a :class:`Compressor`) by type and items, a scalar by type
-  and value, anything else (arrays, lists, objects) by identity. Each ``topk(0.01)`` call makes
-  new closures, so this key, not the compressor's own hash, lets equal compressors share one
-  probe."""
-  if isinstance(value, _SCALARS):
-    return type(value), value
-  if isinstance(value, tuple):
-    return type(value), tuple(_structure(item, visiting) for item in value)
-  if isinstance(value, types.FunctionType) and id(value) not in visiting:
-    inner = visiting | {id(value)}
-    try:
-      cells = tuple(_structure(cell.cell_contents, inner) for cell in value.__closure__ or ())
-    except ValueError:  # an empty cell: a closure not yet complete
-      return _Identity(value)
-    return (value.__module__, value.__code__, _structure(value.__defaults__, inner),
-            _structure(tuple(sorted((value.__kwdefaults__ or {}).items())), inner), cells)
-  return _Identity(value)
-
-
-class _Keyed:
-  """A compressor carried into :func:`_probe`'s cache under its :func:`_structure`."""
-  __slots__ = ("compressor", "key")
-
-  def __init__(self, compressor: Compressor, key):
-    self.compressor, self.key = compressor, key
-
-  def __eq__(self, other) -> bool:
-    return isinstance(other, _Keyed) and self.key == other.key
-
-  def __hash__(self) -> int:
-    return hash(self.key)
-
-
-def _probe(compressor: Compressor, shape: Shape, dtype: Any, axis_size: int):
-  """``(payload shapes, bytes of each value agreed on)`` of one encode on an axis of
-  ``axis_size`` devices; shapes only (``jax.eval_shape``), nothing computed. Traced once per
-  compressor structure (:func:`_structure` of ``init`` and ``encode``), shape, dtype and axis
-  size: a projection asks for every leaf of every method."""
-  key = _structure((compressor.init, compressor.encode))
-  return _traced_probe(_Keyed(compressor, key), tuple(shape), jnp.dtype(dtype).name, axis_size)
-
-
 @functools.lru_cache(maxsize=256)
-def _traced_probe(keyed: _Keyed, shape: Shape, dtype_name: str, axis_size: int):
-  compressor = keyed.compressor
+def _probe(compressor: Compressor, shape: Shape, dtype_name: str, axis_size: int):
+  """``(payload shapes, bytes of each value agreed on)`` of one encode on an axis of
+  ``axis_size`` devices; shapes only (``jax.eval_shape``), nothing computed."""
   agreed = []
 
   def record(value):
@@ -149,7 +88,7 @@ def _agreement_cost(compressor, shape: Shape, dtype: Any, axis_size: int) -> Cos
   ``pmax`` each) cost; nothing for a payload-size function alone."""
   if not isinstance(compressor, Compressor):
     return NO_COST
-  _, agreed = _probe(compressor, shape, dtype, axis_size)
+  _, agreed = _probe(compressor, tuple(shape), jnp.dtype(dtype).name, axis_size)
   return sum((ring_cost("all-reduce", nbytes, axis_size) for nbytes in agreed), NO_COST)
 
 
@@ -164,7 +103,7 @@ def summed_nbytes(compressor: Compressor, shape: Shape, dtype: Any = jnp.float32
   """Bytes a ``psum`` of ``compressor``'s payload carries (:func:`psum_payload`): integer
   leaves widened to 4 bytes unless the payload is ``OVERFLOW_SAFE``, replicated fields not
   sent. Read from the payload's shapes, nothing computed."""
-  payload, _ = _probe(compressor, shape, dtype, axis_size)
+  payload, _ = _probe(compressor, tuple(shape), jnp.dtype(dtype).name, axis_size)
   widen = not getattr(type(payload), "OVERFLOW_SAFE", False)
   keep = replicated_fields(payload)
   summed = (payload if not keep else
