@@ -67,19 +67,22 @@ def _setting(args, task, hosts: int, local: int, steps: int = 1000, seed: int = 
                  params=task.params, steps=steps)
 
 
-def _project(args, methods: list[str], setting: Setting) -> list[dict]:
-  """The large model's modeled allreduce per method that has a formula, on each cluster."""
+def _traffic(args, methods: list[str], setting: Setting) -> dict[str, jaxcomm.costmodel.Traffic]:
+  """The large model's modeled allreduce (steps and bytes on each link) per method that has a
+  formula; each method is projected once, then timed on any link."""
   shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
-  rows = []
-  for name in methods:
-    if REGISTRY[name].project is None:
-      continue
-    traffic = REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL)
-    rows.append({"model": args.projection_model, "hosts": PROJECTION_HOSTS,
-                 "local": PROJECTION_LOCAL, "method": name, "slow_bytes": traffic.slow_bytes,
-                 "fast_bytes": traffic.fast_bytes,
-                 "comm_ms": {cluster: 1e3 * traffic.seconds(figures.FAST_LINK, slow)
-                             for cluster, slow in figures.CLUSTERS.items()}})
+  return {name: REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL)
+          for name in methods if REGISTRY[name].project is not None}
+
+
+def _project(args, traffic: dict[str, jaxcomm.costmodel.Traffic]) -> list[dict]:
+  """Rows of :func:`_traffic`'s projections timed on each cluster, with the speedup over fp32."""
+  rows = [{"model": args.projection_model, "hosts": PROJECTION_HOSTS,
+           "local": PROJECTION_LOCAL, "method": name, "slow_bytes": modeled.slow_bytes,
+           "fast_bytes": modeled.fast_bytes,
+           "comm_ms": {cluster: 1e3 * modeled.seconds(figures.FAST_LINK, slow)
+                       for cluster, slow in figures.CLUSTERS.items()}}
+          for name, modeled in traffic.items()]
   reference = next((r for r in rows if r["method"] == "fp32"), None)
   for row in rows:
     row["speedup"] = {c: (reference["comm_ms"][c] / ms if reference else None)
@@ -87,19 +90,12 @@ def _project(args, methods: list[str], setting: Setting) -> list[dict]:
   return rows
 
 
-def _projection_curves(args, methods: list[str], setting: Setting) -> dict[str, list[float]]:
-  """Modeled allreduce ms of the large model at each bandwidth of :data:`plots.BANDWIDTHS`
-  (latency :data:`plots.SWEEP_LATENCY_S`), per method that has a formula: each method's
-  traffic is projected once and timed on every link of the sweep."""
-  shapes = list(jaxcomm.costmodel.transformer_gradient_shapes(args.projection_model).values())
-  curves = {}
-  for name in methods:
-    if REGISTRY[name].project is None:
-      continue
-    traffic = REGISTRY[name].project(setting, shapes, PROJECTION_HOSTS, PROJECTION_LOCAL)
-    curves[name] = [1e3 * traffic.seconds(figures.FAST_LINK, jaxcomm.links.Link(
-        "sweep", bandwidth, plots.SWEEP_LATENCY_S)) for bandwidth in plots.BANDWIDTHS]
-  return curves
+def _projection_curves(traffic: dict[str, jaxcomm.costmodel.Traffic]) -> dict[str, list[float]]:
+  """Modeled allreduce ms of :func:`_traffic`'s projections at each bandwidth of
+  :data:`plots.BANDWIDTHS` (latency :data:`plots.SWEEP_LATENCY_S`)."""
+  return {name: [1e3 * modeled.seconds(figures.FAST_LINK, jaxcomm.links.Link(
+      "sweep", bandwidth, plots.SWEEP_LATENCY_S)) for bandwidth in plots.BANDWIDTHS]
+      for name, modeled in traffic.items()}
 
 
 def _recommend(args, console, tasks: dict, quality: list[dict], methods: list[str]):
@@ -195,7 +191,8 @@ def scan(args: argparse.Namespace) -> int:
   first = next(iter(tasks.values()))
   methods = list(dict.fromkeys(m for _, _, m, _, _ in runs))
   big_setting = _setting(args, first, PROJECTION_HOSTS, PROJECTION_LOCAL, seed=args.seeds[0])
-  projected = _project(args, methods, big_setting)
+  traffic = _traffic(args, methods, big_setting)
+  projected = _project(args, traffic)
   projection_title = (f"Modeled (not measured) gradient allreduce of {args.projection_model} "
                       f"per step on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs, "
                       "NVLink 4 inside hosts; x fp32: speedup of the allreduce time")
@@ -236,7 +233,7 @@ def scan(args: argparse.Namespace) -> int:
                                {name: task.description for (name, *_), task in tasks.items()})
   written.append(os.path.join(args.out, f"projection_vs_bandwidth_{args.projection_model}.png"))
   plots.projection_vs_bandwidth(
-      _projection_curves(args, methods, big_setting), written[-1],
+      _projection_curves(traffic), written[-1],
       f"{args.projection_model} gradients on {PROJECTION_HOSTS} hosts x {PROJECTION_LOCAL} GPUs "
       "(modeled), NVLink 4 inside hosts")
   written.append(report_html.write(
