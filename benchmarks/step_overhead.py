@@ -4,13 +4,17 @@ mesh_scan times one method after another, so a change in the machine's load betw
 methods lands in their ratio. Here every method's step (mesh_scan's task and registry, the
 same compiled step as mesh_scan) is compiled first, then the steps run round-robin -- one step
 of each method per round -- and each method's median over the rounds is compared with
-``identity``'s: load changes hit every method alike. Run
+``identity``'s: load changes hit every method alike. With ``--tree before=PATH`` the same
+methods are also compiled from another checkout of the repository (e.g. ``git archive`` of an
+older commit) and stepped in the same rounds, so a change is measured before and after in one
+process; each tree's overhead is taken against its own ``identity``. Run
 ``python -m benchmarks.step_overhead --help`` for the flags.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -32,6 +36,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--mesh", default="2x4", help="HOSTSxLOCAL simulated devices")
   parser.add_argument("--rounds", type=int, default=60, help="timed rounds")
   parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
+  parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                      help="also time the methods as built from the checkout at PATH")
   args = parser.parse_args(argv)
   args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   if "identity" not in args.methods:
@@ -40,6 +46,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if not (hosts.isdigit() and local.isdigit() and int(hosts) >= 1 and int(local) >= 1):
     parser.error(f"--mesh must be HOSTSxLOCAL, e.g. 2x4, got {args.mesh!r}")
   args.hosts, args.local = int(hosts), int(local)
+  args.tree = [tree.split("=", 1) for tree in args.tree]
+  if any(len(tree) != 2 or not os.path.isdir(os.path.join(tree[1], "jaxcomm"))
+         for tree in args.tree):
+    parser.error(f"--tree must be LABEL=PATH of a checkout holding jaxcomm/, got {args.tree}")
   for name in ("rounds", "warmup"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -78,6 +88,25 @@ def compile_steps(args, mesh) -> dict:
   return runs, batch_at
 
 
+def compile_from_tree(args, mesh, path: str) -> dict:
+  """:func:`compile_steps` with ``jaxcomm``, ``benchmarks`` and ``models`` imported from the
+  checkout at ``path``; this checkout's modules are imported again afterwards."""
+  packages = ("jaxcomm", "benchmarks", "models")
+
+  def forget():
+    for name in [name for name in sys.modules if name.split(".")[0] in packages]:
+      del sys.modules[name]
+
+  forget()
+  sys.path.insert(0, os.path.abspath(path))
+  try:
+    from benchmarks import step_overhead
+    return step_overhead.compile_steps(args, mesh)[0]
+  finally:
+    sys.path.pop(0)
+    forget()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   mesh, _ = host_local_mesh(args.hosts, args.local)
@@ -91,6 +120,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs, batch_at = compile_steps(args, mesh)
   if "identity" not in runs:
     return 1
+  for label, path in args.tree:
+    runs.update({f"{label}:{name}": run
+                 for name, run in compile_from_tree(args, mesh, path).items()})
   times = {name: [] for name in runs}
   for index in range(args.warmup + args.rounds):
     batch = batch_at(index)
@@ -101,11 +133,12 @@ def main(argv: Sequence[str] | None = None) -> int:
       if index >= args.warmup:
         times[name].append(time.perf_counter() - started)
       run[1:] = [params, opt_state]
-  reference = np.median(times["identity"])
   print(f"{args.model} {args.mesh}, {args.rounds} rounds (one step of each method per round)")
   print("| method | median step ms | overhead vs identity | IQR ms |")
   print("| --- | --- | --- | --- |")
   for name, seconds in times.items():
+    label = name.rpartition(":")[0]
+    reference = np.median(times[f"{label}:identity" if label else "identity"])
     median = np.median(seconds)
     q1, q3 = np.percentile(seconds, [25, 75])
     print(f"| {name} | {1e3 * median:.1f} | {100 * (median / reference - 1):+.0f}% | "
