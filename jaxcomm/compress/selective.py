@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.compress.base import Compressor, all_finite
+from jaxcomm.compress.base import Compressor
 from jaxcomm.validation import check_float, check_fraction, check_int_range
 from jaxcomm.compress.sign import sign
 from jaxcomm.compress.topk import topk
+from jaxcomm.nonfinite import has_nonfinite, keep_if
 
 
 class GradientStatistics(NamedTuple):
@@ -108,14 +109,13 @@ def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float
         count=jnp.zeros((1,), jnp.int32))
 
   def update(grads, stats: GradientStatistics) -> GradientStatistics:
-    finite = jnp.all(jnp.stack([all_finite(leaf) for leaf in jax.tree.leaves(grads)]))
     mean = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g.astype(jnp.float32),
                         stats.mean, grads)
     power = jax.tree.map(
         lambda v, g: beta * v + (1 - beta) * jnp.sum(jnp.square(g.astype(jnp.float32))),
         stats.power, grads)
     new = GradientStatistics(mean, power, stats.count + 1)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, stats)
+    return keep_if(has_nonfinite(grads), stats, new)
 
   def noise_ratios(stats: GradientStatistics) -> list[jax.Array]:
     # The bias corrections of m and v cancel in ||m||^2 / v up to one factor (1 - beta^t).

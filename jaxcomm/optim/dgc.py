@@ -224,7 +224,7 @@ def _exchange(compressor, velocity, server, workers, strategy: str):
   flat = velocity.reshape(-1)
   key = unread_key()
   if strategy == "gather":
-    unsent = ErrorFeedbackState(jnp.zeros_like(flat), (), jnp.ones((1,), jnp.bool_))
+    unsent = ErrorFeedbackState(jnp.zeros_like(flat), ())
     total, state = strategies.gather_sum(flat, compressor, unsent, key, workers)
     return total, state.residual, server
   empty = strategies.two_phase_init(flat.size, device_count(workers))

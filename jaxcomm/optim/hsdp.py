@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxcomm.collectives.hierarchical import prescattered
 from jaxcomm.collectives.powersgd import PowerSGDLeafState
 from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
+from jaxcomm.nonfinite import any_nonfinite, keep_if
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
 # Collectives as jaxpr primitives, with the parameter naming their axes.
@@ -439,11 +440,9 @@ def powersgd_on_shards(leaves, states, shards: ShardedLeaves, *, slow_axis: str,
     approx = p @ q.T
     with jax.named_scope(SHARD_AWARE_SCOPE):
       alive = jax.lax.psum(jnp.sum(q * q, axis=0, keepdims=True), axis) > 0
-    finite = jax.lax.pmin(jnp.all(jnp.isfinite(approx)).astype(jnp.int32), axis) > 0
     residual = ((corrected - approx / hosts).T.reshape(leaf.shape) if feedback
                 else state.residual)
     outputs.append(approx.T.reshape(leaf.shape))
-    new_states.append(PowerSGDLeafState(
-        q=jnp.where(finite, jnp.where(alive, q, state.q), state.q),
-        residual=jnp.where(finite, residual, state.residual)))
+    new_states.append(keep_if(any_nonfinite(approx, (axis,)), state, PowerSGDLeafState(
+        q=jnp.where(alive, q, state.q), residual=residual)))
   return outputs, new_states

@@ -16,7 +16,8 @@ from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
 from jaxcomm.mesh_axes import vary
 from jaxcomm.optim import hsdp
-from jaxcomm.optim.nonfinite import has_nonfinite, keep_if, with_nonfinite_policy
+from jaxcomm.nonfinite import has_nonfinite, keep_if
+from jaxcomm.optim.nonfinite import with_nonfinite_policy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import check_float, check_float_input, check_float_tree, check_int_range
 
@@ -255,7 +256,7 @@ def leaf_allreduce(compressor, *, feedback: bool, fast_axis: str,
       mean = compressor.decode(psum_payload(payload, slow_axis), leaf.shape)
       if feedback:
         kept = corrected - compressor.decode(payload, leaf.shape)
-        residual = keep_if(has_nonfinite([mean]), residual, kept)
+        residual = keep_if(has_nonfinite(mean), residual, kept)
       means.append(mean.astype(leaf.dtype))
       states.append(new_cstate)
       residuals.append(residual)

@@ -7,6 +7,7 @@ pytrees (empty, nested, None leaves) and configurations, for every compressor fa
 
 import math
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,7 +55,7 @@ def test_every_compressor_with_error_feedback_loses_nothing(name, shape, dtype, 
   payload, state = jax.jit(compressor.encode)(x, state, jax.random.PRNGKey(seed))
   decoded = compressor.decode(payload, shape)
   assert decoded.shape == shape and decoded.dtype == jnp.float32
-  assert bool(jnp.all(jnp.isfinite(decoded))) and bool(state.finite[0])
+  chex.assert_tree_all_finite((decoded, state.residual))
   np.testing.assert_allclose(decoded + state.residual, np.asarray(x, np.float32),
                              rtol=1e-5, atol=1e-5 * (1 + float(jnp.max(jnp.abs(x), initial=0))))
   assert compress.payload_nbytes(payload) <= max(compressor.wire_bytes(shape, dtype), 0) + 64
