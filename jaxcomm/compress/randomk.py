@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress.base import Compressor, num_elements, stateless_init
-from jaxcomm.validation import check_bool, check_fraction, check_int_range
+from jaxcomm.validation import check_bool, check_fraction
 from jaxcomm.compress.hashing import hash_bits
+from jaxcomm.keys import check_seed, raw_key
 
 
 class RandomKState(NamedTuple):
@@ -85,7 +86,7 @@ def random_indices(key: jax.Array, size: int, count: int) -> jax.Array:
 
 
 def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
-            seed: int = 0) -> Compressor:
+            seed: int | jax.Array = 0) -> Compressor:
   """Keeps ``k = max(1, floor(fraction * d))`` random elements, each with probability ``k/d``.
 
   The positions are a stratified sample with a random rotation (:func:`random_indices`):
@@ -110,7 +111,8 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
     fraction: fraction of elements to keep, in (0, 1].
     shared: draw indices from the shared state key (linear payload) instead of the call's key.
     scale: multiply by ``d / k`` so that the compressor is unbiased.
-    seed: seed of the shared key; must be the same on every device.
+    seed: int seed or PRNG key (typed ``jax.random.key`` of the default implementation,
+      or legacy ``PRNGKey``) of the shared key; the same on every device.
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`SharedRandomKPayload` payloads and
@@ -124,7 +126,7 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
   fraction = check_fraction("fraction", fraction)
   shared = check_bool("shared", shared)
   scale = check_bool("scale", scale)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed, raw=True)
 
   def gain(size: int) -> float:
     count = randomk_count(size, fraction)
@@ -132,7 +134,7 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
 
   def init(shape, dtype):
     del dtype
-    return RandomKState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
+    return RandomKState(jax.random.fold_in(raw_key(seed), num_elements(shape)))
 
   def scatter(values: jax.Array, indices: jax.Array, shape) -> jax.Array:
     size = num_elements(shape)

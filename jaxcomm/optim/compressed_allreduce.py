@@ -19,6 +19,7 @@ from jaxcomm.validation import check_dtype, check_float_tree
 from jaxcomm.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
                                              estimate_feedback)
 from jaxcomm.compress.policy import CompressionPolicy
+from jaxcomm.keys import as_key, check_seed
 from jaxcomm.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_finite, keep_if,
                                zero_if, zero_nonfinite)
 from jaxcomm.optim.powersgd import matrix_allreduce
@@ -178,7 +179,7 @@ def _cast_residuals(level_states, dtype):
   return jax.tree.map(cast, level_states, is_leaf=_is_residual_node)
 
 
-def _check_arguments(compressor, feedback, seed, nonfinite) -> None:
+def _check_arguments(compressor, feedback, nonfinite) -> None:
   """Raises naming the argument of :func:`compressed_allreduce` that has a wrong type or value."""
   if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
     raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
@@ -186,8 +187,6 @@ def _check_arguments(compressor, feedback, seed, nonfinite) -> None:
   if not isinstance(feedback, (bool, str)):
     raise TypeError(f"feedback must be a bool or one of {', '.join(FEEDBACKS)}, got "
                     f"{feedback!r}.")
-  if isinstance(seed, bool) or not isinstance(seed, int):
-    raise TypeError(f"seed must be an int, got {seed!r}.")
   check_nonfinite_mode(nonfinite)
 
 
@@ -216,7 +215,7 @@ def compressed_allreduce(
     bucket_bytes: int | None = None,
     fast_axis: str = LOCAL_AXIS,
     slow_axis: str = HOST_AXIS,
-    seed: int = 0,
+    seed: int | jax.Array = 0,
     nonfinite: str = "skip",
     residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
@@ -267,7 +266,8 @@ def compressed_allreduce(
       bytes, so each level issues one collective per bucket; ``None``: one per leaf.
     fast_axis: the intra-host mesh axis name (two-level form).
     slow_axis: the inter-host mesh axis name (two-level form).
-    seed: seed of the PRNG key used by stochastic compressors.
+    seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the key
+      used by stochastic compressors; an int and either key made from it draw alike.
     nonfinite: what a NaN or Inf in any device's gradients does to the step. All devices
       ``'skip'`` (default): the devices agree with one 4-byte ``pmax`` over every mesh axis
       (``2(N-1)/N * 4`` bytes per device for ``N`` devices), and if any saw one, every device
@@ -290,7 +290,8 @@ def compressed_allreduce(
     >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
     ...                  optax.adamw(1e-3))  # doctest: +SKIP
   """
-  _check_arguments(compressor, feedback, seed, nonfinite)
+  _check_arguments(compressor, feedback, nonfinite)
+  seed = check_seed("seed", seed)
   residual_dtype = check_dtype("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
   left_default = feedback is True
   strategy = as_strategy(strategy)
@@ -324,7 +325,7 @@ def compressed_allreduce(
     return CompressedAllReduceState(
         estimates=estimates,
         level_states=_cast_residuals(level_states, residual_dtype),
-        key=jax.random.PRNGKey(seed),
+        key=as_key(seed),
         count=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32))
 

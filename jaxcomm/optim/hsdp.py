@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxcomm.collectives.hierarchical import prescattered
 from jaxcomm.collectives.powersgd import PowerSGDLeafState
 from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
+from jaxcomm.keys import nth_key
 from jaxcomm.nonfinite import any_nonfinite, keep_if
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
@@ -388,7 +389,7 @@ def column_blocks(shape: tuple, group: int, rank: int, min_compression_rate: flo
 
 
 def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression_rate: float,
-                    seed: int, slow_axis: str) -> tuple:
+                    seed: int | jax.Array, slow_axis: str) -> tuple:
   """PowerSGD's per-leaf state on shards: for a factorized leaf, this device's rows of the
   warm start ``Q`` (``(c, r)`` for its ``c`` columns, varying over the sharded axis) and a
   residual shaped like its flat shard; ``()`` for a leaf sent dense."""
@@ -400,7 +401,7 @@ def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression
     if not columns:
       states.append(())
       continue
-    block = jax.lax.dynamic_slice_in_dim(initial_q(seed + index, shape, rank),
+    block = jax.lax.dynamic_slice_in_dim(initial_q(nth_key(seed, index), shape, rank),
                                          jax.lax.axis_index(shards.axis) * columns, columns)
     residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
     states.append(PowerSGDLeafState(q=block, residual=residual))
