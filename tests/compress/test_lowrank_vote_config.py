@@ -55,13 +55,13 @@ def test_powersgd_zero_gradient_keeps_the_warm_start():
   payload, after = compressor.encode(jnp.zeros((20, 12)), state, None)
   chex.assert_trees_all_equal(after.q, state.q)
   np.testing.assert_array_equal(compressor.decode(payload, (20, 12)), 0.0)
-  np.testing.assert_array_equal(state.q, initial_q(0, (20, 12), 2))
+  np.testing.assert_array_equal(state.q, initial_q(jax.random.PRNGKey(0), (20, 12), 2))
 
 
 def test_powersgd_steps_with_psum_average_over_devices():
   u = jnp.arange(1.0, 7.0)
   grads = jnp.stack([jnp.outer(u, jnp.linspace(0, 1, 10)), jnp.outer(u, jnp.linspace(2, 0, 10))])
-  q0 = initial_q(0, (10, 6), 1)  # the (out=6, rest=10) view of a (10, 6) tensor
+  q0 = initial_q(jax.random.PRNGKey(0), (10, 6), 1)  # the (out=6, rest=10) view of a (10, 6) tensor
 
   def device(matrix):
     p = orthogonalize(jax.lax.pmean(project(matrix, q0), "devices"))
