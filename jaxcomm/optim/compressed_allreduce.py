@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.collectives import buckets as bucketing
-from jaxcomm.collectives.axes import require_axes, require_varying
+from jaxcomm.mesh_axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
 from jaxcomm.collectives.strategies import Strategy, TwoPhaseState, as_strategy

@@ -13,11 +13,10 @@ import optax
 
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives import strategies
-from jaxcomm.collectives.axes import require_axes
 from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
 from jaxcomm.compress.topk import topk
 from jaxcomm.keys import unread_key
-from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.mesh_axes import device_count, manual_axes, require_axes, vary
 from jaxcomm.optim import hsdp
 from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 

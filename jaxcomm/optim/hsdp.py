@@ -34,6 +34,7 @@ from jaxcomm.collectives.hierarchical import prescattered
 from jaxcomm.collectives.powersgd import PowerSGDLeafState
 from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
 from jaxcomm.keys import nth_key
+from jaxcomm.mesh_axes import vary, vary_tree
 from jaxcomm.nonfinite import any_nonfinite, keep_if
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
@@ -261,9 +262,8 @@ def on_shards(tx: optax.GradientTransformation,
     shard_shapes = {jnp.shape(leaf) for leaf in jax.tree.leaves(params)}
 
     def per_shard(leaf):
-      if (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shard_shapes
-          and axis not in jax.typeof(leaf).mat.varying):
-        return jax.lax.pcast(leaf, (axis,), to="varying")
+      if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shard_shapes:
+        return vary(leaf, (axis,))
       return leaf
 
     return jax.tree.map(per_shard, state)
@@ -331,8 +331,7 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   differing = []
 
   def probe(shards, opt_state):
-    grads = jax.tree.map(lambda leaf: jax.lax.pcast(leaf, others, to="varying")
-                         if others and not per_host else leaf, shards)
+    grads = shards if per_host else vary_tree(shards, others)
     updates = tx.update(grads, opt_state, shards)[0]
     differing.extend(set(others) & set(jax.typeof(leaf).mat.varying)
                      for leaf in jax.tree.leaves(updates))
@@ -403,7 +402,7 @@ def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression
       continue
     block = jax.lax.dynamic_slice_in_dim(initial_q(nth_key(seed, index), shape, rank),
                                          jax.lax.axis_index(shards.axis) * columns, columns)
-    residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+    residual = vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
     states.append(PowerSGDLeafState(q=block, residual=residual))
   return tuple(states)
 

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes
+from jaxcomm.mesh_axes import require_axes
 from jaxcomm.nonfinite import any_nonfinite, has_nonfinite, keep_if, zero_if
 from jaxcomm.validation import check_float, check_int_range
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes
+from jaxcomm.mesh_axes import require_axes
 from jaxcomm.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_if, zero_if,
                                zero_nonfinite)
 

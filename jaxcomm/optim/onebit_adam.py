@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.accounting import warmup as warmup_phase
-from jaxcomm.collectives.axes import require_axes, require_varying
+from jaxcomm.mesh_axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
 from jaxcomm.compress.sign import sign
 from jaxcomm.keys import unread_key

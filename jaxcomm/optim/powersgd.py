@@ -10,11 +10,10 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.accounting import warmup
-from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
 from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
-from jaxcomm.mesh_axes import vary
+from jaxcomm.mesh_axes import require_axes, require_varying, vary
 from jaxcomm.keys import check_seed, nth_key
 from jaxcomm.optim import hsdp
 from jaxcomm.nonfinite import has_nonfinite, keep_if

@@ -18,10 +18,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
 from jaxcomm.collectives.hierarchical import init_states
 from jaxcomm.keys import unread_key
-from jaxcomm.mesh_axes import vary
+from jaxcomm.mesh_axes import first_invariant, require_axes, require_varying, vary
 from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import check_float_tree, check_int_range, check_learning_rate
