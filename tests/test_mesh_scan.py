@@ -140,7 +140,7 @@ def test_compressed_outer_steps_and_demo_send_less_than_their_dense_counterparts
     (["--methods", "fp32,zip"], "unknown method 'zip'"),
     (["--models", "gpt5"], "unknown model 'gpt5'"),
     (["--meshes", "2by4"], "mesh '2by4' is not HOSTSxLOCAL"),
-    (["--topk-fraction", "0"], "--topk-fraction must be in"),
+    (["--topk-density", "0"], "--topk-density must be in"),
     (["--hidden", "a,b"], "--hidden must be"),
     (["--steps", "5", "--timed-steps", "10"], "--timed-steps"),
     (["--seeds", "0,x"], "--seeds must be comma-separated integers"),

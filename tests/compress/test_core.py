@@ -159,9 +159,9 @@ def test_compressors_work_under_vmap():
 
 
 @pytest.mark.parametrize("factory, match", [
-    (lambda: jaxcomm.topk(0.0), "fraction"),
-    (lambda: jaxcomm.topk(-0.5), "fraction"),
-    (lambda: jaxcomm.topk(1.5), "fraction"),
+    (lambda: jaxcomm.topk(0.0), "density"),
+    (lambda: jaxcomm.topk(-0.5), "density"),
+    (lambda: jaxcomm.topk(1.5), "density"),
     (lambda: jaxcomm.topk(), "exactly one"),
     (lambda: jaxcomm.topk(k=0), "k must be"),
     (lambda: jaxcomm.topk(0.1, value_dtype=jnp.int8), "value_dtype"),
@@ -180,3 +180,18 @@ def test_integer_gradients_are_rejected():
   compressor = jaxcomm.error_feedback(jaxcomm.topk(0.5))
   with pytest.raises(TypeError, match="x must be a float32"):
     compressor.encode(jnp.arange(4), compressor.init((4,), jnp.int32), jax.random.PRNGKey(0))
+
+
+@pytest.mark.parametrize("make", [jaxcomm.topk, jaxcomm.randomk])
+def test_the_former_density_keyword_warns_naming_the_new_one(make):
+  with pytest.warns(DeprecationWarning, match="fraction= is deprecated: use density="):
+    assert make(fraction=0.25).name == make(0.25).name
+  with pytest.raises(TypeError, match="fraction was renamed density: pass density only"):
+    make(0.25, fraction=0.25)
+
+
+def test_selective_former_topk_keyword_warns_and_is_checked_as_the_new_one():
+  with pytest.warns(DeprecationWarning, match="topk_fraction= is deprecated: use topk_density="):
+    jaxcomm.compress.selective(0.1, 0.5, topk_fraction=0.1)
+  with pytest.warns(DeprecationWarning), pytest.raises(ValueError, match="topk_density"):
+    jaxcomm.compress.selective(0.1, 0.5, topk_fraction=0.0)

@@ -80,7 +80,7 @@ def test_unbiased_with_stated_variance(name):
 
 def test_topk_contraction_exact_and_chunked():
   for compressor, delta in ((topk(0.25), 4 / SIZE), (topk(0.25, chunk=8), 2 / 8),
-                            (topk(fraction=None, k=3), 3 / SIZE)):
+                            (topk(k=3), 3 / SIZE)):
     payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
     error = _sq(compressor.decode(payload, X.shape) - X)
     assert error <= (1 - delta) * _sq(X) + 1e-6, compressor.name
