@@ -26,19 +26,6 @@ def _roundtrip(compressor, x, seed=0):
   return payload, compressor.decode(payload, x.shape)
 
 
-@pytest.mark.parametrize("name", sorted(CORE))
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
-@pytest.mark.parametrize("shape", [(1,), (13,), (4, 25)])
-def test_roundtrip_shape_dtype_and_wire_bytes(name, dtype, shape):
-  compressor = CORE[name]
-  x = jax.random.normal(jax.random.PRNGKey(1), shape).astype(dtype)
-  payload, decoded = _roundtrip(compressor, x)
-  chex.assert_shape(decoded, shape)
-  assert decoded.dtype == jnp.float32
-  assert jaxcomm.compress.payload_nbytes(payload) == compressor.wire_bytes(shape, dtype)
-  assert np.all(np.isfinite(decoded))
-
-
 def test_wire_bytes_formulas():
   shape = (1000,)
   assert jaxcomm.identity().wire_bytes(shape, jnp.float32) == 4000
@@ -102,25 +89,6 @@ def test_nearest_quantization_error_is_at_most_half_a_step():
   _, decoded = _roundtrip(jaxcomm.quantize(8, stochastic=False), x)
   step = 2 * float(jnp.max(jnp.abs(x))) / 254
   assert float(jnp.max(jnp.abs(decoded - x))) <= step / 2 * (1 + 1e-4)
-
-
-@pytest.mark.parametrize("name", ["topk", "sign", "int8"])
-def test_error_feedback_identity_over_many_steps(name):
-  compressor = jaxcomm.error_feedback(CORE[name])
-  shape = (37,)
-  state = compressor.init(shape, jnp.float32)
-  encode = jax.jit(compressor.encode)
-  total_in = jnp.zeros(shape)
-  total_sent = jnp.zeros(shape)
-  for step in range(40):
-    x = jax.random.normal(jax.random.PRNGKey(step), shape)
-    old_residual = state.residual
-    payload, state = encode(x, state, jax.random.PRNGKey(100 + step))
-    sent = compressor.decode(payload, shape)
-    chex.assert_trees_all_close(sent + state.residual, x + old_residual, atol=1e-5)
-    total_in += x
-    total_sent += sent
-  chex.assert_trees_all_close(total_sent, total_in - state.residual, atol=1e-4)
 
 
 def test_error_feedback_never_stores_non_finite_values():

@@ -55,6 +55,9 @@ UNBIASED = {
     "randomk_shared": (randomk(0.25), SIZE / 4 - 1.0),
     "randomk_int8": (compose(randomk(0.5, shared=False), quantize(8)), None),
 }
+# Their unbiasedness is checked over shapes and seeds on the catalog's instances
+# (tests/compress/test_catalog_properties.py); the others' here.
+IN_CATALOG = {"qsgd", "qsgd_bucketed", "terngrad", "natural", "int4", "randomk_shared"}
 
 
 @pytest.mark.parametrize("name", sorted(UNBIASED))
@@ -70,9 +73,10 @@ def test_unbiased_with_stated_variance(name):
     decoded = np.asarray(run(compressor.init(X.shape, X.dtype)), np.float64)
   else:
     decoded = samples(compressor)
-  mean, std = decoded.mean(0), decoded.std(0)
-  bound = 5.0 * std / math.sqrt(decoded.shape[0]) + 1e-6
-  np.testing.assert_array_less(np.abs(mean - np.asarray(X)), bound)
+  if name not in IN_CATALOG:
+    mean, std = decoded.mean(0), decoded.std(0)
+    bound = 5.0 * std / math.sqrt(decoded.shape[0]) + 1e-6
+    np.testing.assert_array_less(np.abs(mean - np.asarray(X)), bound)
   if omega is not None:
     error = np.mean(np.sum((decoded - np.asarray(X)) ** 2, axis=1))
     assert error <= 1.1 * omega * _sq(X), (error, omega * _sq(X))
