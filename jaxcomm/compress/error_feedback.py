@@ -12,6 +12,21 @@ from jaxcomm.nonfinite import has_nonfinite, keep_if
 from jaxcomm.validation import check_float_input
 
 
+def _check_compressor(compressor) -> None:
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+
+
+def _wrapping(compressor: Compressor, init, encode, prefix: str) -> Compressor:
+  """A compressor with its own ``init``/``encode`` that sends what ``compressor`` sends: its
+  decode, bytes, linearity and matrix method; never unbiased (the state carries past
+  inputs)."""
+  return Compressor(init=init, encode=encode, decode=compressor.decode,
+                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
+                    unbiased=False, name=f"{prefix}({compressor.name})",
+                    matrix_method=compressor.matrix_method)
+
+
 class ErrorFeedbackState(NamedTuple):
   """State of :func:`error_feedback`.
 
@@ -54,8 +69,7 @@ def error_feedback(compressor: Compressor) -> Compressor:
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
     Schemes", ICML 2019.
   """
-  if not isinstance(compressor, Compressor):
-    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+  _check_compressor(compressor)
 
   def init(shape, dtype) -> ErrorFeedbackState:
     return ErrorFeedbackState(residual=jnp.zeros(shape, jnp.float32),
@@ -71,10 +85,7 @@ def error_feedback(compressor: Compressor) -> Compressor:
     return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
                             floats_only=True)
 
-  return Compressor(init=init, encode=encode, decode=compressor.decode,
-                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
-                    unbiased=False, name=f"ef({compressor.name})",
-                    matrix_method=compressor.matrix_method)
+  return _wrapping(compressor, init, encode, "ef")
 
 
 class EstimateFeedbackState(NamedTuple):
@@ -119,8 +130,7 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
     Richtárik, Sokolov & Fatkhullin, "EF21: A New, Simpler, Theoretically Better, and
     Practically Faster Error Feedback", NeurIPS 2021.
   """
-  if not isinstance(compressor, Compressor):
-    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+  _check_compressor(compressor)
 
   def init(shape, dtype) -> EstimateFeedbackState:
     return EstimateFeedbackState(estimate=jnp.zeros(shape, jnp.float32),
@@ -135,7 +145,4 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
     return payload, keep_if(bad, state, EstimateFeedbackState(estimate=estimate, inner=inner),
                             floats_only=True)
 
-  return Compressor(init=init, encode=encode, decode=compressor.decode,
-                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
-                    unbiased=False, name=f"ef21({compressor.name})",
-                    matrix_method=compressor.matrix_method)
+  return _wrapping(compressor, init, encode, "ef21")
