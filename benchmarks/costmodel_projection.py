@@ -36,18 +36,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="comma-separated slow (inter-host) link presets, one table each")
   parser.add_argument("--devices-per-nic", type=int, default=1,
                       help="devices of a host sharing one slow link (1: one NIC per device)")
-  parser.add_argument("--topk-fraction", type=float, default=0.01,
+  parser.add_argument("--topk-density", "--topk-fraction", type=float, default=0.01,
                       help="fraction of each shard that top-k sends")
   return parser.parse_args(argv)
 
 
-def methods(topk_fraction: float) -> list[tuple[str, object, str]]:
+def methods(topk_density: float) -> list[tuple[str, object, str]]:
   """(label, wire_bytes or None, strategy) for each compressed-or-not hierarchical method."""
-  topk = jaxcomm.topk(topk_fraction)
+  topk = jaxcomm.topk(topk_density)
   int8 = jaxcomm.quantize(8)
   sign = jaxcomm.sign()
   rows = [("fp32-hier", None, "gather")]
-  for label, compressor in ((f"top-{100 * topk_fraction:g}%", topk), ("int8", int8), ("sign", sign)):
+  for label, compressor in ((f"top-{100 * topk_density:g}%", topk), ("int8", int8), ("sign", sign)):
     rows += [(f"{label} gather", compressor.wire_bytes, "gather"),
              (f"{label} two-phase", compressor.wire_bytes, "two_phase")]
   return rows
@@ -73,7 +73,7 @@ def table(args: argparse.Namespace, slow_name: str) -> str:
   flat_bytes, flat_seconds = _flat_fp32(shapes, args.hosts * args.local, nic)
   projected = [(label, costmodel.project(shapes, args.hosts, args.local, fast, slow,
                                          wire_bytes, strategy=strategy))
-               for label, wire_bytes, strategy in methods(args.topk_fraction)]
+               for label, wire_bytes, strategy in methods(args.topk_density)]
   reference = projected[0][1].total_seconds
   lines = [f"{args.model} on {args.hosts} hosts x {args.local} devices; fast {fast.name}, "
            f"slow {nic.name} shared by {args.devices_per_nic} device(s)", header,

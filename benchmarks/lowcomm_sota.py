@@ -105,7 +105,7 @@ def main(argv=None) -> None:
   for seed in seeds:
     task = charlm("default", BATCH["charlm"] * 8, args.steps, seed)
     for name in names:
-      setting = Setting(lr=task.lr, seed=seed, topk_fraction=0.01, sketch_fraction=0.02,
+      setting = Setting(lr=task.lr, seed=seed, topk_density=0.01, sketch_density=0.02,
                         hosts=2, local=4, params=task.params, steps=args.steps)
       result = run(task, table[name], mesh, setting, args.steps, min(20, args.steps))
       rows.setdefault(name, []).append(

@@ -158,9 +158,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       help="comma-separated hidden widths of the MLP and the char LM")
   parser.add_argument("--lr", type=float, default=None, help="AdamW learning rate "
                       "(default: the model's: charlm 3e-3, mlp and resnet 1e-3)")
-  parser.add_argument("--topk-fraction", type=float, default=0.01,
+  parser.add_argument("--topk-density", "--topk-fraction", type=float, default=0.01,
                       help="fraction of each shard that top-k and random-k send")
-  parser.add_argument("--sketch-fraction", type=float, default=0.02,
+  parser.add_argument("--sketch-density", "--sketch-fraction", type=float, default=0.02,
                       help="count-sketch cells as a fraction of the shard's elements")
   parser.add_argument("--projection-model", default="llama-7b",
                       help="transformer whose gradients are projected on 8 hosts x 8 GPUs")
@@ -238,7 +238,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
   if args.timed_steps >= args.steps:
     parser.error(f"--timed-steps ({args.timed_steps}) must be below --steps ({args.steps})")
-  for name in ("topk_fraction", "sketch_fraction"):
+  for name in ("topk_density", "sketch_density"):
     if not 0 < getattr(args, name) <= 1:
       parser.error(f"--{name.replace('_', '-')} must be in (0, 1], got {getattr(args, name)}")
   from benchmarks.scan import cluster
@@ -279,7 +279,7 @@ def _prepare_out(out: str) -> str | None:
 
 
 #: What an ``--include``d run must share with this one for its losses to be comparable.
-COMPARABLE = ("size", "steps", "batch", "hidden", "lr", "topk_fraction", "sketch_fraction")
+COMPARABLE = ("size", "steps", "batch", "hidden", "lr", "topk_density", "sketch_density")
 
 
 def read_included(path: str, args: argparse.Namespace) -> list[dict]:

@@ -252,7 +252,7 @@ def train_worker(args) -> list[dict]:
   mesh = jaxcomm.make_mesh()
   hidden = tuple(int(width) for width in args.hidden.split(","))
   task = TASKS["mlp"]("default", BATCH["mlp"] * mesh.size, 64, 0, hidden)
-  setting = Setting(lr=task.lr, seed=0, topk_fraction=0.01, sketch_fraction=0.01,
+  setting = Setting(lr=task.lr, seed=0, topk_density=0.01, sketch_density=0.01,
                     hosts=mesh.shape["host"], local=mesh.shape["local"], params=task.params)
   control = RateControl(args.control, jax.process_index() == 0)
   rows = []

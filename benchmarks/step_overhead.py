@@ -66,7 +66,7 @@ def compile_steps(args, mesh) -> dict:
   from benchmarks.scan.tasks import BATCH, TASKS
   steps = args.warmup + args.rounds
   task = TASKS[args.model]("default", BATCH[args.model] * mesh.size, steps, 0)
-  setting = Setting(lr=task.lr, seed=0, topk_fraction=0.01, sketch_fraction=0.02,
+  setting = Setting(lr=task.lr, seed=0, topk_density=0.01, sketch_density=0.02,
                     hosts=args.hosts, local=args.local, params=task.params, steps=300)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
   batch_at = lambda index: jax.device_put(task.batch(index), sharding)  # noqa: E731

@@ -357,7 +357,7 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   host ``h mod H'`` (two-phase server residuals move to the element's new owner), so the sum
   over hosts of what is pending is exactly conserved; ``'reset'``: zero residuals (the mass
   pending at the checkpoint is dropped). Other per-level state (a compressor's own state, e.g.
-  PowerSGD factors; error feedback's ``finite`` flags) restarts from ``tx.init``; EF21
+  PowerSGD factors) restarts from ``tx.init``; EF21
   estimates restart at zero together with their mean (``estimates``). Needs the
   two-level topology (dense fast axis, compressed slow axis) on a ``jaxcomm.make_mesh`` mesh
   (``('host', 'local')``, slow axis first). On one host (``H' = 1``) no level is compressed:

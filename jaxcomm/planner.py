@@ -25,6 +25,7 @@ from jaxcomm.compress.policy import CompressionPolicy, path_string, policy
 from jaxcomm.compress.quantize import quantize
 from jaxcomm.compress.sign import sign
 from jaxcomm.compress.topk import topk
+from jaxcomm.keys import as_key, check_seed
 from jaxcomm.links import Link, link
 
 
@@ -110,7 +111,7 @@ def _relative_error(compressor: Compressor, leaf: jax.Array, key: jax.Array) -> 
 
 def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
          max_error: float = 0.9, candidates: Sequence[Compressor] | None = None,
-         seed: int = 0) -> Plan:
+         seed: int | jax.Array = 0) -> Plan:
   """Per leaf, the candidate with the least modeled slow-link time within ``max_error``.
 
   The fast (intra-host) phases are the same for every candidate, so only the slow link
@@ -127,7 +128,8 @@ def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
     max_error: largest admissible relative error, in [0, 1].
     candidates: compressors to consider besides full precision; default
       :func:`default_candidates`.
-    seed: key of the stochastic compressors' error measurement.
+    seed: int seed or PRNG key (typed or legacy) of the stochastic compressors' error
+      measurement.
 
   Returns:
     A :class:`Plan`; ``print(plan.describe())`` shows it, and
@@ -142,11 +144,12 @@ def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
   slow = link(slow_link) if isinstance(slow_link, str) else slow_link
   if not isinstance(slow, Link):
     raise TypeError(f"slow_link must be a jaxcomm.links.Link or a preset name, got {slow_link!r}.")
+  seed = check_seed("seed", seed)
   candidates = default_candidates() if candidates is None else tuple(candidates)
   for candidate in candidates:
     if not isinstance(candidate, Compressor):
       raise TypeError(f"candidates must be jaxcomm.Compressor values, got {candidate!r}.")
-  key = jax.random.PRNGKey(seed)
+  key = as_key(seed)
   decisions, rules, dense_seconds = [], [], 0.0
   for path, leaf in jax.tree_util.tree_leaves_with_path(grads):
     name, shard = path_string(path), -(-int(np.prod(leaf.shape)) // local)

@@ -8,6 +8,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import warnings
+
 import numpy as np
 
 FLOAT_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -93,3 +95,18 @@ def check_learning_rate(name: str, value: Any) -> Callable[[jax.Array], Any]:
     return value
   rate = check_float(name, value)
   return lambda count: rate
+
+
+def renamed(new: str, value: Any, old: str, old_value: Any) -> Any:
+  """The value of keyword ``new``, or of its former name ``old`` with a DeprecationWarning
+  naming ``new`` (kept for one release); ``None`` means not passed.
+
+  Raises:
+    TypeError: both were passed.
+  """
+  if old_value is None:
+    return value
+  if value is not None:
+    raise TypeError(f"{old} was renamed {new}: pass {new} only, got both.")
+  warnings.warn(f"{old}= is deprecated: use {new}=", DeprecationWarning, stacklevel=3)
+  return old_value

@@ -29,7 +29,7 @@ def _run(*argv, timeout=600):
     (["--methods", "fp32,zip"], "unknown method 'zip'"),
     (["--models", "gpt5"], "unknown model 'gpt5'"),
     (["--meshes", "2by4"], "mesh '2by4' is not HOSTSxLOCAL"),
-    (["--topk-fraction", "0"], "--topk-fraction must be in"),
+    (["--topk-density", "0"], "--topk-density must be in"),
     (["--hidden", "a,b"], "--hidden must be"),
     (["--steps", "5", "--timed-steps", "10"], "--timed-steps"),
     (["--seeds", "0,x"], "--seeds must be comma-separated integers"),

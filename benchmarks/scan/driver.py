@@ -62,8 +62,8 @@ def _task(args, model: str, steps: int, seed: int, cache: dict):
 
 
 def _setting(args, task, hosts: int, local: int, steps: int = 1000, seed: int = 0) -> Setting:
-  return Setting(lr=args.lr or task.lr, seed=seed, topk_fraction=args.topk_fraction,
-                 sketch_fraction=args.sketch_fraction, hosts=hosts, local=local,
+  return Setting(lr=args.lr or task.lr, seed=seed, topk_density=args.topk_density,
+                 sketch_density=args.sketch_density, hosts=hosts, local=local,
                  params=task.params, steps=steps)
 
 
@@ -200,7 +200,7 @@ def scan(args: argparse.Namespace) -> int:
   for row in rows:
     if row["method"] == "topk-ef" and "report" in row and row["seed"] == args.seeds[0]:
       measured, formula = figures.topk_payload_check(
-          row, tasks[(row["model"], row["steps"], row["seed"])], args.topk_fraction)
+          row, tasks[(row["model"], row["steps"], row["seed"])], args.topk_density)
       console.print(f"{row['model']} {row['mesh']} topk-ef: top-k payload all-gathers over the "
                     f"host axis send {measured:,.0f} B per device per step; formula "
                     f"(H-1)*8*sum(k) = {formula:,} ({100 * (measured / formula - 1):+.2f}%)",

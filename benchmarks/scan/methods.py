@@ -39,8 +39,8 @@ class Setting:
   Attributes:
     lr: learning rate of the optimizer after the allreduce.
     seed: seed for stochastic compressors.
-    topk_fraction: fraction of each shard that top-k and random-k send.
-    sketch_fraction: count-sketch cells as a fraction of the shard's elements.
+    topk_density: fraction of each shard that top-k and random-k send.
+    sketch_density: count-sketch cells as a fraction of the shard's elements.
     hosts: size of the slow axis.
     local: size of the fast axis.
     params: the model parameters (a pytree of arrays).
@@ -48,8 +48,8 @@ class Setting:
   """
   lr: float
   seed: int
-  topk_fraction: float
-  sketch_fraction: float
+  topk_density: float
+  sketch_density: float
   hosts: int
   local: int
   params: Any
@@ -145,12 +145,12 @@ def _sketch(setting: Setting):
   # One row: the estimate s(i) S[h(i)] is unbiased and the sketch linear. Error feedback in
   # parameter space diverges with a count sketch (its error is not contractive: measured);
   # FetchSGD keeps momentum and error inside the sketch, which jaxcomm does not offer.
-  width = max(1, math.ceil(setting.sketch_fraction * setting.shard_elements))
+  width = max(1, math.ceil(setting.sketch_density * setting.shard_elements))
   return jaxcomm.compress.count_sketch(width, 1, seed=setting.seed)
 
 
 def _sketch_project(setting, shapes, hosts, local):
-  # The model's gradient in one bucket: one sketch of sketch_fraction of its shard.
+  # The model's gradient in one bucket: one sketch of sketch_density of its shard.
   total = sum(math.prod(shape) for shape in shapes)
   big = dataclasses.replace(setting, params=[jax.ShapeDtypeStruct((total,), jnp.float32)])
   return projection.hierarchical([(total,)], hosts, local, _sketch(big), None)
@@ -315,30 +315,30 @@ def _entries() -> list[Method]:
       _compressed("sign-ef-2p", "scaled 1-bit sign, error feedback, two-phase (all-to-all, "
                   "re-compress, all-gather)", lambda s: jaxcomm.sign(), strategy="two_phase",
                   feedback=True),
-      _compressed("topk-ef", "top-k (--topk-fraction) across hosts, error feedback, all-gather",
-                  lambda s: jaxcomm.topk(s.topk_fraction), strategy="gather", feedback=True),
-      _compressed("topk-ef-default", "top-k (--topk-fraction) across hosts, error feedback, "
+      _compressed("topk-ef", "top-k (--topk-density) across hosts, error feedback, all-gather",
+                  lambda s: jaxcomm.topk(s.topk_density), strategy="gather", feedback=True),
+      _compressed("topk-ef-default", "top-k (--topk-density) across hosts, error feedback, "
                   "the strategy compressed_allreduce picks by default (strategy=None)",
-                  lambda s: jaxcomm.topk(s.topk_fraction), feedback=True),
+                  lambda s: jaxcomm.topk(s.topk_density), feedback=True),
       _compressed("topk-ef-2p", "top-k with error feedback, two-phase (all-to-all, "
-                  "re-compress, all-gather)", lambda s: jaxcomm.topk(s.topk_fraction),
+                  "re-compress, all-gather)", lambda s: jaxcomm.topk(s.topk_density),
                   strategy="two_phase", feedback=True),
-      _compressed("randomk-ef", "random-k (--topk-fraction, indices shared, unscaled) across "
+      _compressed("randomk-ef", "random-k (--topk-density, indices shared, unscaled) across "
                   "hosts, error feedback, psum",
-                  lambda s: jaxcomm.randomk(s.topk_fraction, scale=False, seed=s.seed),
+                  lambda s: jaxcomm.randomk(s.topk_density, scale=False, seed=s.seed),
                   feedback=True),
-      _compressed("sketch", "count sketch (one row, --sketch-fraction of the shard) of all "
+      _compressed("sketch", "count sketch (one row, --sketch-density of the shard) of all "
                   "gradients in one bucket, psum, every estimate decoded (unbiased, no error "
                   "feedback)", _sketch, bucketed=True, project=_sketch_project),
       _powersgd(1),
       _powersgd(4),
       Method("dgc", "Deep Gradient Compression across hosts: dense mean inside each host "
-             "(reduce-scatter), momentum correction and masking, top-k (--topk-fraction) of "
+             "(reduce-scatter), momentum correction and masking, top-k (--topk-density) of "
              "each device's velocity shard all-gathered over hosts; SGD after it",
-             lambda s: optax.chain(jaxcomm.dgc(s.topk_fraction, fast_axis="local"),
+             lambda s: optax.chain(jaxcomm.dgc(s.topk_density, fast_axis="local"),
                                    optax.sgd(10 * s.lr)),
              lambda s, shapes, hosts, local: projection.hierarchical(
-                 shapes, hosts, local, jaxcomm.topk(s.topk_fraction), "gather")),
+                 shapes, hosts, local, jaxcomm.topk(s.topk_density), "gather")),
       Method("onebit-adam", "1-bit Adam: dense Adam for 10% of the steps, then frozen variance "
              "and 1-bit momentum across hosts (two-phase, worker and server error feedback); bytes "
              "per step weigh the warm-up and 1-bit branches by the steps each ran",

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 
 from jaxcomm.accounting import NO_COST, Cost
 from jaxcomm.collectives import strategies
-from jaxcomm.collectives.axes import require_axes
+from jaxcomm.mesh_axes import require_axes, vary
 from jaxcomm.compress.base import Compressor
 from jaxcomm.validation import check_dtype, check_float_input
 
@@ -159,14 +159,6 @@ def _shard_sizes(levels: Sequence[Level], size: int,
   return padded, lengths
 
 
-def _device_local(leaf: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """Marks residuals and flags as differing per device; integer leaves (shared PRNG keys,
-  counters) stay replicated: every device must hold the same one."""
-  if jnp.issubdtype(leaf.dtype, jnp.integer):
-    return leaf
-  return jax.lax.pcast(leaf, axes, to="varying")
-
-
 def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
   """Per-level state for an array of ``size`` elements; call inside ``shard_map``.
 
@@ -188,7 +180,11 @@ def init_states(levels: Sequence[Level], size: int, dtype: Any) -> tuple:
     state = resolve_level(lv, axis_size).init(lv.compressor, length, axis_size, lv.feedback,
                                               dtype)
     varying = _distinct_axes(levels, index)
-    states.append(jax.tree.map(lambda leaf: _device_local(leaf, varying), state))
+    # Residuals differ per device; integer leaves (shared PRNG keys, counters) stay
+    # replicated: every device must hold the same one.
+    states.append(jax.tree.map(
+        lambda leaf: leaf if jnp.issubdtype(leaf.dtype, jnp.integer) else vary(leaf, varying),
+        state))
   return tuple(states)
 
 

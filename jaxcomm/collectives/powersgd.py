@@ -20,6 +20,7 @@ import jax.numpy as jnp
 
 from jaxcomm.compress.powersgd import (back_project, from_matrix, orthogonalize, project,
                                        to_matrix)
+from jaxcomm.nonfinite import has_nonfinite, keep_if
 
 
 class PowerSGDLeafState(NamedTuple):
@@ -71,10 +72,9 @@ def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
     for slot, i in enumerate(indices):
       shape = leaves[i].shape
       outputs[i] = from_matrix(approx[slot], shape)
-      # A non-finite gradient anywhere poisons the summed factors: keep the old state.
-      finite = jnp.all(jnp.isfinite(approx[slot]))
       residual = (from_matrix(corrected[slot] - approx[slot] / hosts, shape) if feedback
                   else states[i].residual)
-      new_states[i] = PowerSGDLeafState(q=jnp.where(finite, next_q[slot], states[i].q),
-                                        residual=jnp.where(finite, residual, states[i].residual))
+      # A non-finite gradient anywhere poisons the summed factors: keep the old state.
+      new_states[i] = keep_if(has_nonfinite(approx[slot]), states[i],
+                              PowerSGDLeafState(q=next_q[slot], residual=residual))
   return outputs, new_states

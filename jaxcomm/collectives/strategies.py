@@ -38,6 +38,7 @@ from jaxcomm.accounting import NO_COST, Cost, ring_cost
 from jaxcomm.compress.base import (AxisContext, Compressor, Shape, combining, psum_payload,
                                    replicated_fields)
 from jaxcomm.compress.error_feedback import error_feedback
+from jaxcomm.nonfinite import has_nonfinite, keep_if
 
 GATHERS = ("all_gather", "psum")
 
@@ -516,9 +517,7 @@ def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   total = jax.vmap(decode_chunk)(gathered).reshape(-1)[:size]
   if state is None:
     return total, None
-  finite = jnp.all(jnp.isfinite(shard))
   worker_residual = corrected - jax.vmap(decode_chunk)(payloads).reshape(-1)
   server_residual = owned - decode_chunk(server_payload)
-  keep = lambda new, old: jnp.where(finite, new, old)
-  return total, TwoPhaseState(keep(worker_residual, state.worker_residual),
-                              keep(server_residual, state.server_residual))
+  return total, keep_if(has_nonfinite(shard), state,
+                        TwoPhaseState(worker_residual, server_residual))

@@ -188,7 +188,3 @@ def psum_payload(payload: Payload, axis_name: str) -> Payload:
 def num_elements(shape: Shape) -> int:
   return int(np.prod(shape, dtype=np.int64))
 
-
-def all_finite(x: jax.Array) -> jax.Array:
-  """Scalar bool: no NaN or Inf in ``x``."""
-  return jnp.all(jnp.isfinite(x))

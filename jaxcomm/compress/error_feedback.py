@@ -7,8 +7,24 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm.compress.base import Compressor, all_finite
+from jaxcomm.compress.base import Compressor
+from jaxcomm.nonfinite import has_nonfinite, keep_if
 from jaxcomm.validation import check_float_input
+
+
+def _check_compressor(compressor) -> None:
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+
+
+def _wrapping(compressor: Compressor, init, encode, prefix: str) -> Compressor:
+  """A compressor with its own ``init``/``encode`` that sends what ``compressor`` sends: its
+  decode, bytes, linearity and matrix method; never unbiased (the state carries past
+  inputs)."""
+  return Compressor(init=init, encode=encode, decode=compressor.decode,
+                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
+                    unbiased=False, name=f"{prefix}({compressor.name})",
+                    matrix_method=compressor.matrix_method)
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -17,13 +33,9 @@ class ErrorFeedbackState(NamedTuple):
   Attributes:
     residual: float32, the input's shape: input mass not yet sent.
     inner: the wrapped compressor's own state.
-    finite: bool of shape ``(1,)``: whether the last input was free of NaN and Inf (``True``
-      after ``init``). Shape ``(1,)`` rather than a scalar so the state can be sharded
-      per device like the residual.
   """
   residual: jax.Array
   inner: Any
-  finite: jax.Array
 
 
 def error_feedback(compressor: Compressor) -> Compressor:
@@ -35,8 +47,8 @@ def error_feedback(compressor: Compressor) -> Compressor:
   rounding of one float32 subtraction, and over ``T`` steps
   ``sum_t decode(payload_t) == sum_t x_t - e_T``: nothing is lost, only delayed.
 
-  A non-finite input (any NaN or Inf) is reported in ``state.finite`` and leaves the residual
-  and the floating-point leaves of the inner state untouched: they are never overwritten with
+  A non-finite input (any NaN or Inf) leaves the residual and the floating-point leaves of
+  the inner state untouched: they are never overwritten with
   NaN or Inf. Integer leaves of the inner state (PRNG keys, counters) advance anyway, because
   compressors with shared randomness (shared random-k) must stay in step with the other
   devices. The payload then carries whatever the compressor made of the input, and the
@@ -57,13 +69,11 @@ def error_feedback(compressor: Compressor) -> Compressor:
     Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
     Schemes", ICML 2019.
   """
-  if not isinstance(compressor, Compressor):
-    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+  _check_compressor(compressor)
 
   def init(shape, dtype) -> ErrorFeedbackState:
     return ErrorFeedbackState(residual=jnp.zeros(shape, jnp.float32),
-                              inner=compressor.init(shape, dtype),
-                              finite=jnp.ones((1,), jnp.bool_))
+                              inner=compressor.init(shape, dtype))
 
   def encode(x: jax.Array, state: ErrorFeedbackState, key: jax.Array):
     check_float_input(x)
@@ -71,22 +81,11 @@ def error_feedback(compressor: Compressor) -> Compressor:
     payload, inner = compressor.encode(corrected, state.inner, key)
     unsent = corrected - compressor.decode(payload, x.shape)
     # Checking the residual too catches a compressor that overflowed on finite input.
-    finite = all_finite(corrected) & all_finite(unsent)
+    bad = has_nonfinite((corrected, unsent))
+    return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
+                            floats_only=True)
 
-    def keep_if_nonfinite(new, old):
-      if not jnp.issubdtype(new.dtype, jnp.inexact):
-        return new
-      return jnp.where(finite, new, old)
-
-    residual = keep_if_nonfinite(unsent, state.residual)
-    inner = jax.tree.map(keep_if_nonfinite, inner, state.inner)
-    return payload, ErrorFeedbackState(residual=residual, inner=inner,
-                                       finite=jnp.reshape(finite, (1,)))
-
-  return Compressor(init=init, encode=encode, decode=compressor.decode,
-                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
-                    unbiased=False, name=f"ef({compressor.name})",
-                    matrix_method=compressor.matrix_method)
+  return _wrapping(compressor, init, encode, "ef")
 
 
 class EstimateFeedbackState(NamedTuple):
@@ -96,11 +95,9 @@ class EstimateFeedbackState(NamedTuple):
     estimate: float32, the input's shape: this device's estimate ``g_hat_i`` of its input,
       the sum of every delta it has sent (decoded).
     inner: the wrapped compressor's own state.
-    finite: bool of shape ``(1,)``: whether the last input was free of NaN and Inf.
   """
   estimate: jax.Array
   inner: Any
-  finite: jax.Array
 
 
 def estimate_feedback(compressor: Compressor) -> Compressor:
@@ -117,7 +114,7 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
   after the mean would amplify.
 
   A non-finite input leaves the estimate and the floating-point leaves of the inner state
-  untouched (``state.finite`` reports it), as :func:`error_feedback` does.
+  untouched, as :func:`error_feedback` does.
 
   Linear when ``compressor`` is (the payloads of the devices' deltas sum to the payload of
   the summed delta). Never unbiased. Bytes: those of ``compressor``.
@@ -133,28 +130,19 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
     Richtárik, Sokolov & Fatkhullin, "EF21: A New, Simpler, Theoretically Better, and
     Practically Faster Error Feedback", NeurIPS 2021.
   """
-  if not isinstance(compressor, Compressor):
-    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+  _check_compressor(compressor)
 
   def init(shape, dtype) -> EstimateFeedbackState:
     return EstimateFeedbackState(estimate=jnp.zeros(shape, jnp.float32),
-                                 inner=compressor.init(shape, dtype),
-                                 finite=jnp.ones((1,), jnp.bool_))
+                                 inner=compressor.init(shape, dtype))
 
   def encode(x: jax.Array, state: EstimateFeedbackState, key: jax.Array):
     check_float_input(x)
     change = x.astype(jnp.float32) - state.estimate
     payload, inner = compressor.encode(change, state.inner, key)
     estimate = state.estimate + compressor.decode(payload, x.shape)
-    finite = all_finite(change) & all_finite(estimate)
-    keep = lambda new, old: (jnp.where(finite, new, old)
-                             if jnp.issubdtype(new.dtype, jnp.inexact) else new)
-    return payload, EstimateFeedbackState(
-        estimate=keep(estimate, state.estimate),
-        inner=jax.tree.map(keep, inner, state.inner),
-        finite=jnp.reshape(finite, (1,)))
+    bad = has_nonfinite((change, estimate))
+    return payload, keep_if(bad, state, EstimateFeedbackState(estimate=estimate, inner=inner),
+                            floats_only=True)
 
-  return Compressor(init=init, encode=encode, decode=compressor.decode,
-                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
-                    unbiased=False, name=f"ef21({compressor.name})",
-                    matrix_method=compressor.matrix_method)
+  return _wrapping(compressor, init, encode, "ef21")

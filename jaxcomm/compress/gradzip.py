@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jaxcomm.compress.base import Compressor, num_elements
 from jaxcomm.validation import check_bool, check_float, check_int_range
 from jaxcomm.compress.powersgd import from_matrix, matrix_shape, to_matrix
+from jaxcomm.keys import check_seed, raw_key
 
 
 class GradZipState(NamedTuple):
@@ -61,7 +62,7 @@ def random_basis(key: jax.Array, size: int, rank: int) -> jax.Array:
 
 
 def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = False,
-            seed: int = 0) -> Compressor:
+            seed: int | jax.Array = 0) -> Compressor:
   """Sends a rank-``r`` random projection of each gradient matrix.
 
   A tensor with at least 2 dimensions is viewed as the ``(out, rest)`` matrix ``M`` (``m x n``,
@@ -87,7 +88,8 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
     rank: ``r`` >= 1, the number of random directions.
     min_compression_rate: tensors below this rate are sent dense; > 0.
     scale: multiply by ``s / r`` so the compressor is unbiased.
-    seed: seed of the shared basis keys; the same on every device.
+    seed: int seed or PRNG key (typed ``jax.random.key`` of the default implementation,
+      or legacy ``PRNGKey``) of the shared basis keys; the same on every device.
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`GradZipPayload` payloads and
@@ -103,7 +105,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
   rank = check_int_range("rank", rank, 1)
   min_compression_rate = check_float("min_compression_rate", min_compression_rate)
   scale = check_bool("scale", scale)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed, raw=True)
 
   def projected(shape) -> bool:
     if len(shape) < 2:
@@ -119,7 +121,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
     del dtype
     if not projected(shape):
       return ()
-    return GradZipState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
+    return GradZipState(jax.random.fold_in(raw_key(seed), num_elements(shape)))
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key

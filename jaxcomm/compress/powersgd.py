@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress.base import Compressor, num_elements
+from jaxcomm.keys import as_key, check_seed
 from jaxcomm.validation import check_float, check_int_range
 
 
@@ -92,11 +93,12 @@ def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
   return jnp.stack(columns, axis=1)
 
 
-def initial_q(seed: int, shape: tuple[int, ...], rank: int) -> jax.Array:
-  """The first warm start, standard normal ``(n, rank)``: identical on every device (shared
-  seed); different ``Q`` per device would break the averaged power iteration."""
+def initial_q(key: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
+  """The first warm start, standard normal ``(n, rank)`` drawn from ``key``: identical on
+  every device (shared key); different ``Q`` per device would break the averaged power
+  iteration."""
   _, n = matrix_shape(shape)
-  return jax.random.normal(jax.random.PRNGKey(seed), (n, rank), jnp.float32)
+  return jax.random.normal(key, (n, rank), jnp.float32)
 
 
 class PowerSGDMethod(NamedTuple):
@@ -105,11 +107,11 @@ class PowerSGDMethod(NamedTuple):
   rank: int
   min_compression_rate: float
   epsilon: float
-  seed: int
+  seed: int | jax.Array
 
 
 def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float = 1e-8,
-             seed: int = 0) -> Compressor:
+             seed: int | jax.Array = 0) -> Compressor:
   """PowerSGD's rank-``r`` approximation of one device's gradient matrix.
 
   A tensor with at least 2 dimensions whose rate ``m n / (r (m + n))`` reaches
@@ -132,7 +134,8 @@ def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float
     rank: ``r``, >= 1.
     min_compression_rate: tensors whose rate is below it are sent dense; > 0.
     epsilon: added to column norms in :func:`orthogonalize`; >= 0.
-    seed: seed of the initial ``Q``; must be the same on every device.
+    seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      initial ``Q``; the same on every device.
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`PowerSGDPayload` payloads and
@@ -146,14 +149,14 @@ def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float
   rank = check_int_range("rank", rank, 1)
   min_compression_rate = check_float("min_compression_rate", min_compression_rate)
   epsilon = check_float("epsilon", epsilon, inclusive=True)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed)
 
   def factorized(shape) -> bool:
     return compression_rate(tuple(shape), rank) >= min_compression_rate
 
   def init(shape, dtype):
     del dtype
-    return PowerSGDState(initial_q(seed, tuple(shape), rank)) if factorized(shape) else ()
+    return PowerSGDState(initial_q(as_key(seed), tuple(shape), rank)) if factorized(shape) else ()
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key

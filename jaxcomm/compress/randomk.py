@@ -9,8 +9,9 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm.compress.base import Compressor, num_elements, stateless_init
-from jaxcomm.validation import check_bool, check_fraction, check_int_range
+from jaxcomm.validation import check_bool, check_fraction, renamed
 from jaxcomm.compress.hashing import hash_bits
+from jaxcomm.keys import check_seed, raw_key
 
 
 class RandomKState(NamedTuple):
@@ -47,9 +48,9 @@ class RandomKPayload(NamedTuple):
   indices: jax.Array
 
 
-def randomk_count(size: int, fraction: float) -> int:
-  """``k = max(1, floor(fraction * d))``, capped at ``d``."""
-  return min(size, max(1, math.floor(fraction * size)))
+def randomk_count(size: int, density: float) -> int:
+  """``k = max(1, floor(density * d))``, capped at ``d``."""
+  return min(size, max(1, math.floor(density * size)))
 
 
 def uniform_below(first: jax.Array, second: jax.Array, bound: jax.Array) -> jax.Array:
@@ -84,9 +85,9 @@ def random_indices(key: jax.Array, size: int, count: int) -> jax.Array:
   return ((stratum * width + within + shift) % jnp.uint32(size)).astype(jnp.int32)
 
 
-def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
-            seed: int = 0) -> Compressor:
-  """Keeps ``k = max(1, floor(fraction * d))`` random elements, each with probability ``k/d``.
+def randomk(density: float | None = None, *, shared: bool = True, scale: bool = True,
+            seed: int | jax.Array = 0, fraction: float | None = None) -> Compressor:
+  """Keeps ``k = max(1, floor(density * d))`` random elements, each with probability ``k/d``.
 
   The positions are a stratified sample with a random rotation (:func:`random_indices`):
   distinct, each one kept with probability exactly ``k / d``, drawn in ``O(k)``.
@@ -107,10 +108,12 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
   Bytes: ``4 k + 8`` shared; ``8 k`` private.
 
   Args:
-    fraction: fraction of elements to keep, in (0, 1].
+    density: fraction of elements to keep, in (0, 1].
     shared: draw indices from the shared state key (linear payload) instead of the call's key.
     scale: multiply by ``d / k`` so that the compressor is unbiased.
-    seed: seed of the shared key; must be the same on every device.
+    seed: int seed or PRNG key (typed ``jax.random.key`` of the default implementation,
+      or legacy ``PRNGKey``) of the shared key; the same on every device.
+    fraction: the former name of ``density`` (deprecated).
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`SharedRandomKPayload` payloads and
@@ -121,18 +124,18 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
     "Gradient Sparsification for Communication-Efficient Distributed Optimization",
     NeurIPS 2018.
   """
-  fraction = check_fraction("fraction", fraction)
+  density = check_fraction("density", renamed("density", density, "fraction", fraction))
   shared = check_bool("shared", shared)
   scale = check_bool("scale", scale)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed, raw=True)
 
   def gain(size: int) -> float:
-    count = randomk_count(size, fraction)
+    count = randomk_count(size, density)
     return size / count if scale and count else 1.0  # an empty array keeps k = 0
 
   def init(shape, dtype):
     del dtype
-    return RandomKState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
+    return RandomKState(jax.random.fold_in(raw_key(seed), num_elements(shape)))
 
   def scatter(values: jax.Array, indices: jax.Array, shape) -> jax.Array:
     size = num_elements(shape)
@@ -141,7 +144,7 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    count = randomk_count(flat.shape[0], fraction)
+    count = randomk_count(flat.shape[0], density)
     if shared:
       next_key, draw_key = jax.random.split(state.key)
       values = flat[random_indices(draw_key, flat.shape[0], count)]
@@ -158,10 +161,10 @@ def randomk(fraction: float, *, shared: bool = True, scale: bool = True,
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
-    count = randomk_count(num_elements(shape), fraction)
+    count = randomk_count(num_elements(shape), density)
     return 4 * count + 8 if shared else 8 * count
 
   options = ("" if shared else ", shared=False") + ("" if scale else ", scale=False")
   return Compressor(init=init if shared else stateless_init, encode=encode, decode=decode,
                     wire_bytes=wire_bytes, linear=shared, unbiased=scale,
-                    name=f"randomk({fraction:g}{options})")
+                    name=f"randomk({density:g}{options})")

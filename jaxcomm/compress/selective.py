@@ -14,10 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.compress.base import Compressor, all_finite
-from jaxcomm.validation import check_float, check_fraction, check_int_range
+from jaxcomm.compress.base import Compressor
+from jaxcomm.validation import check_float, check_fraction, check_int_range, renamed
 from jaxcomm.compress.sign import sign
 from jaxcomm.compress.topk import topk
+from jaxcomm.nonfinite import has_nonfinite, keep_if
 
 
 class GradientStatistics(NamedTuple):
@@ -55,7 +56,8 @@ class SelectiveCompression(NamedTuple):
 
 
 def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float = 0.9,
-              topk_fraction: float = 0.01, sign_chunk: int | None = None) -> SelectiveCompression:
+              topk_density: float | None = None, sign_chunk: int | None = None,
+              topk_fraction: float | None = None) -> SelectiveCompression:
   """Per-leaf choice among full precision, top-k and scaled sign from gradient noise.
 
   For each leaf, with ``m`` the moving average of ``g`` and ``v`` that of ``||g||^2`` (both
@@ -71,8 +73,9 @@ def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float
     tau_high: noise ratio from which a leaf uses sign, in ``[tau_low, 1]``.
     period: steps between decisions, >= 1.
     beta: decay of the moving averages, in ``[0, 1)``.
-    topk_fraction: fraction kept by the top-k choice, in (0, 1].
+    topk_density: fraction kept by the top-k choice, in (0, 1]; default 0.01.
     sign_chunk: elements per scale of the sign choice (``None``: one per tensor).
+    topk_fraction: the former name of ``topk_density`` (deprecated).
 
   Returns:
     A :class:`SelectiveCompression`.
@@ -98,7 +101,8 @@ def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float
   beta = check_float("beta", beta, inclusive=True)
   if beta >= 1.0:
     raise ValueError(f"beta must be < 1, got {beta}.")
-  sparse = topk(check_fraction("topk_fraction", topk_fraction))
+  topk_density = renamed("topk_density", topk_density, "topk_fraction", topk_fraction)
+  sparse = topk(check_fraction("topk_density", 0.01 if topk_density is None else topk_density))
   coarse = sign(sign_chunk)
 
   def init(params) -> GradientStatistics:
@@ -108,14 +112,13 @@ def selective(tau_low: float, tau_high: float, *, period: int = 100, beta: float
         count=jnp.zeros((1,), jnp.int32))
 
   def update(grads, stats: GradientStatistics) -> GradientStatistics:
-    finite = jnp.all(jnp.stack([all_finite(leaf) for leaf in jax.tree.leaves(grads)]))
     mean = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g.astype(jnp.float32),
                         stats.mean, grads)
     power = jax.tree.map(
         lambda v, g: beta * v + (1 - beta) * jnp.sum(jnp.square(g.astype(jnp.float32))),
         stats.power, grads)
     new = GradientStatistics(mean, power, stats.count + 1)
-    return jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, stats)
+    return keep_if(has_nonfinite(grads), stats, new)
 
   def noise_ratios(stats: GradientStatistics) -> list[jax.Array]:
     # The bias corrections of m and v cancel in ||m||^2 / v up to one factor (1 - beta^t).

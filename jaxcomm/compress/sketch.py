@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxcomm.compress.base import Compressor, num_elements
 from jaxcomm.validation import check_fraction, check_int_range
 from jaxcomm.compress.hashing import hash_bits
+from jaxcomm.keys import check_seed, raw_key
 from jaxcomm.compress.select import largest_k
 
 
@@ -88,7 +89,7 @@ def median_of_rows(rows) -> jax.Array:
 
 
 def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
-                 seed: int = 0) -> Compressor:
+                 seed: int | jax.Array = 0) -> Compressor:
   """Count sketch with ``depth`` rows of ``width`` buckets; hashes from a shared seed.
 
   Encode: ``S[j, h_j(i)] += s_j(i) x_i`` for every row ``j``. Decode: the estimate
@@ -110,7 +111,8 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     depth: rows, >= 1 (odd depths make the median a single row's estimate).
     heavy: fraction of elements recovered as heavy hitters, in (0, 1]; ``None`` decodes all
       estimates.
-    seed: seed of the hashes; must be the same on every device.
+    seed: int seed or PRNG key (typed ``jax.random.key`` of the default implementation,
+      or legacy ``PRNGKey``) of the hashes; the same on every device.
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`CountSketchPayload` payloads and
@@ -126,12 +128,12 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   depth = check_int_range("depth", depth, 1)
   if heavy is not None:
     heavy = check_fraction("heavy", heavy)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed, raw=True)
 
   def init(shape, dtype) -> CountSketchState:
     del dtype
     # Folding in the size gives tensors of different sizes different hashes.
-    return CountSketchState(jax.random.fold_in(jax.random.PRNGKey(seed), num_elements(shape)))
+    return CountSketchState(jax.random.fold_in(raw_key(seed), num_elements(shape)))
 
   # Encode and decode loop over chunks of CHUNK elements (`jax.lax.scan`): all `depth` rows
   # of hashes for the whole input at once are `depth` d-sized temporaries, which XLA's CPU

@@ -10,7 +10,8 @@ import jax.numpy as jnp
 
 from jaxcomm.compress import chunks
 from jaxcomm.compress.base import Compressor, num_elements, stateless_init
-from jaxcomm.validation import check_bool, check_dtype, check_fraction, check_int_range
+from jaxcomm.validation import (check_bool, check_dtype, check_fraction, check_int_range,
+                                renamed)
 from jaxcomm.compress.select import largest_k
 
 VALUE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
@@ -27,12 +28,12 @@ class TopKPayload(NamedTuple):
   indices: jax.Array
 
 
-def topk_count(shape: tuple[int, ...], fraction: float | None, k: int | None) -> int:
-  """The static number of kept elements: ``max(1, floor(fraction * d))``, or ``min(k, d)``."""
+def topk_count(shape: tuple[int, ...], density: float | None, k: int | None) -> int:
+  """The static number of kept elements: ``max(1, floor(density * d))``, or ``min(k, d)``."""
   size = num_elements(shape)
   if k is not None:
     return min(k, size)
-  return min(size, max(1, math.floor(fraction * size)))
+  return min(size, max(1, math.floor(density * size)))
 
 
 class ChunkedTopKPayload(NamedTuple):
@@ -61,12 +62,12 @@ def select_largest(values: jax.Array, count: int, approximate: bool) -> jax.Arra
   return largest_k(values, count, by_magnitude=True)
 
 
-def topk(fraction: float | None = None, *, k: int | None = None,
+def topk(density: float | None = None, *, k: int | None = None,
          value_dtype: Any = jnp.float32, approximate: bool = False,
-         chunk: int | None = None) -> Compressor:
+         chunk: int | None = None, fraction: float | None = None) -> Compressor:
   """Keeps the ``k`` largest-magnitude elements; all others are sent as zero.
 
-  ``k = max(1, floor(fraction * d))`` for ``d`` elements (or the given ``k``, capped at ``d``),
+  ``k = max(1, floor(density * d))`` for ``d`` elements (or the given ``k``, capped at ``d``),
   fixed at trace time so shapes are static under ``jit``. Ties in magnitude go to the lower
   index, so the choice is deterministic; the payload lists the kept elements in increasing
   index order. The selection is exact and takes linear time
@@ -87,17 +88,18 @@ def topk(fraction: float | None = None, *, k: int | None = None,
 
   With ``chunk`` (at most 65536), the flat input is split into ``ceil(d / w)`` chunks of
   ``w = min(chunk, d)`` elements (the last one zero-padded), and each keeps its
-  ``k_c = max(1, floor(fraction * w))`` largest, indexed by uint16 inside the chunk. Bytes
+  ``k_c = max(1, floor(density * w))`` largest, indexed by uint16 inside the chunk. Bytes
   ``ceil(d / w) * k_c * (itemsize(value_dtype) + 2)``: ``6`` per kept float32 value instead
-  of ``8``. Contraction per chunk, hence overall, with ``delta = k_c / w``; needs ``fraction``.
+  of ``8``. Contraction per chunk, hence overall, with ``delta = k_c / w``; needs ``density``.
 
   Args:
-    fraction: fraction of elements to keep, in (0, 1]. Exactly one of ``fraction`` and ``k``.
+    density: fraction of elements to keep, in (0, 1]. Exactly one of ``density`` and ``k``.
     k: number of elements to keep, >= 1.
     value_dtype: dtype of the sent values: float32, bfloat16 or float16.
     approximate: on TPU, select with ``jax.lax.approx_max_k``.
     chunk: elements per chunk for uint16 indices, in ``[1, 65536]``; ``None`` for int32
       indices over the whole tensor.
+    fraction: the former name of ``density`` (deprecated).
 
   Returns:
     A :class:`~jaxcomm.Compressor` with :class:`TopKPayload` payloads, or
@@ -107,24 +109,25 @@ def topk(fraction: float | None = None, *, k: int | None = None,
     Aji & Heafield, "Sparse Communication for Distributed Gradient Descent", EMNLP 2017;
     Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018.
   """
-  if (fraction is None) == (k is None):
-    raise ValueError(f"topk needs exactly one of fraction and k; got fraction={fraction!r}, k={k!r}.")
-  if fraction is not None:
-    fraction = check_fraction("fraction", fraction)
+  density = renamed("density", density, "fraction", fraction)
+  if (density is None) == (k is None):
+    raise ValueError(f"topk needs exactly one of density and k; got density={density!r}, k={k!r}.")
+  if density is not None:
+    density = check_fraction("density", density)
   else:
     k = check_int_range("k", k, 1)
   value_dtype = check_dtype("value_dtype", value_dtype, VALUE_DTYPES)
   approximate = check_bool("approximate", approximate)
   if chunk is not None:
     chunk = check_int_range("chunk", chunk, 1, MAX_UINT16_CHUNK)
-    if fraction is None:
-      raise ValueError(f"topk with chunk={chunk} needs fraction (kept per chunk), got k={k}.")
-    return _chunked_topk(fraction, chunk, value_dtype, approximate)
+    if density is None:
+      raise ValueError(f"topk with chunk={chunk} needs density (kept per chunk), got k={k}.")
+    return _chunked_topk(density, chunk, value_dtype, approximate)
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key
     flat = x.reshape(-1).astype(jnp.float32)
-    indices = select_largest(flat, topk_count(x.shape, fraction, k), approximate)
+    indices = select_largest(flat, topk_count(x.shape, density, k), approximate)
     return TopKPayload(flat[indices].astype(value_dtype), indices.astype(jnp.int32)), state
 
   def decode(payload: TopKPayload, shape) -> jax.Array:
@@ -133,21 +136,21 @@ def topk(fraction: float | None = None, *, k: int | None = None,
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
-    return topk_count(tuple(shape), fraction, k) * (value_dtype.itemsize + 4)
+    return topk_count(tuple(shape), density, k) * (value_dtype.itemsize + 4)
 
-  amount = f"{fraction:g}" if fraction is not None else f"k={k}"
+  amount = f"{density:g}" if density is not None else f"k={k}"
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False, name=f"topk({amount}{suffix})")
 
 
-def _chunked_topk(fraction: float, chunk: int, value_dtype: jnp.dtype,
+def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
                   approximate: bool) -> Compressor:
 
   def layout(size: int) -> tuple[int, int, int]:
     # A tensor smaller than one chunk is one chunk of its own size, not a padded 64K one.
     width = min(chunk, max(size, 1))
-    return chunks.chunk_count(size, width), width, max(1, math.floor(fraction * width))
+    return chunks.chunk_count(size, width), width, max(1, math.floor(density * width))
 
   def encode(x: jax.Array, state, key: jax.Array):
     del key
@@ -175,4 +178,4 @@ def _chunked_topk(fraction: float, chunk: int, value_dtype: jnp.dtype,
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False,
-                    name=f"topk({fraction:g}, chunk={chunk}{suffix})")
+                    name=f"topk({density:g}, chunk={chunk}{suffix})")

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.collectives import buckets as bucketing
-from jaxcomm.collectives.axes import require_axes, require_varying
+from jaxcomm.mesh_axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
                                               init_states, level)
 from jaxcomm.collectives.strategies import Strategy, TwoPhaseState, as_strategy
@@ -19,11 +19,12 @@ from jaxcomm.validation import check_dtype, check_float_tree
 from jaxcomm.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
                                              estimate_feedback)
 from jaxcomm.compress.policy import CompressionPolicy
-from jaxcomm.optim.nonfinite import any_nonfinite
+from jaxcomm.keys import as_key, check_seed
+from jaxcomm.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_finite, keep_if,
+                               zero_if, zero_nonfinite)
 from jaxcomm.optim.powersgd import matrix_allreduce
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
-NONFINITE_MODES = ("skip", "zero", "propagate")
 FEEDBACKS = ("estimate", "residual", "none")
 RESIDUAL_DTYPES = (jnp.float32, jnp.bfloat16)
 
@@ -178,19 +179,7 @@ def _cast_residuals(level_states, dtype):
   return jax.tree.map(cast, level_states, is_leaf=_is_residual_node)
 
 
-def _keep_finite(new, old):
-  """``new`` with every non-finite floating-point entry replaced by its value in ``old``.
-
-  Error feedback already keeps a residual whose own input was not finite; this also covers
-  state computed from other devices' data, such as the server residual of a two-phase level
-  that received a NaN.
-  """
-  return jax.tree.map(
-      lambda n, o: jnp.where(jnp.isfinite(n), n, o) if jnp.issubdtype(n.dtype, jnp.inexact)
-      else n, new, old)
-
-
-def _check_arguments(compressor, feedback, seed, nonfinite) -> None:
+def _check_arguments(compressor, feedback, nonfinite) -> None:
   """Raises naming the argument of :func:`compressed_allreduce` that has a wrong type or value."""
   if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
     raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
@@ -198,10 +187,7 @@ def _check_arguments(compressor, feedback, seed, nonfinite) -> None:
   if not isinstance(feedback, (bool, str)):
     raise TypeError(f"feedback must be a bool or one of {', '.join(FEEDBACKS)}, got "
                     f"{feedback!r}.")
-  if isinstance(seed, bool) or not isinstance(seed, int):
-    raise TypeError(f"seed must be an int, got {seed!r}.")
-  if nonfinite not in NONFINITE_MODES:
-    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {nonfinite!r}.")
+  check_nonfinite_mode(nonfinite)
 
 
 def _reduce_bucket(packed: jax.Array, levels, level_states, estimate, key: jax.Array):
@@ -229,7 +215,7 @@ def compressed_allreduce(
     bucket_bytes: int | None = None,
     fast_axis: str = LOCAL_AXIS,
     slow_axis: str = HOST_AXIS,
-    seed: int = 0,
+    seed: int | jax.Array = 0,
     nonfinite: str = "skip",
     residual_dtype: Any = jnp.float32,
 ) -> optax.GradientTransformation:
@@ -280,7 +266,8 @@ def compressed_allreduce(
       bytes, so each level issues one collective per bucket; ``None``: one per leaf.
     fast_axis: the intra-host mesh axis name (two-level form).
     slow_axis: the inter-host mesh axis name (two-level form).
-    seed: seed of the PRNG key used by stochastic compressors.
+    seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the key
+      used by stochastic compressors; an int and either key made from it draw alike.
     nonfinite: what a NaN or Inf in any device's gradients does to the step. All devices
       ``'skip'`` (default): the devices agree with one 4-byte ``pmax`` over every mesh axis
       (``2(N-1)/N * 4`` bytes per device for ``N`` devices), and if any saw one, every device
@@ -303,7 +290,8 @@ def compressed_allreduce(
     >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
     ...                  optax.adamw(1e-3))  # doctest: +SKIP
   """
-  _check_arguments(compressor, feedback, seed, nonfinite)
+  _check_arguments(compressor, feedback, nonfinite)
+  seed = check_seed("seed", seed)
   residual_dtype = check_dtype("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
   left_default = feedback is True
   strategy = as_strategy(strategy)
@@ -337,7 +325,7 @@ def compressed_allreduce(
     return CompressedAllReduceState(
         estimates=estimates,
         level_states=_cast_residuals(level_states, residual_dtype),
-        key=jax.random.PRNGKey(seed),
+        key=as_key(seed),
         count=jnp.zeros((), jnp.int32),
         skipped_steps=jnp.zeros((), jnp.int32))
 
@@ -349,7 +337,7 @@ def compressed_allreduce(
     key, step_key = jax.random.split(state.key)
     leaves, treedef = jax.tree.flatten(grads)
     if nonfinite == "zero":
-      leaves = [jnp.where(jnp.isfinite(leaf), leaf, jnp.zeros_like(leaf)) for leaf in leaves]
+      leaves = zero_nonfinite(leaves)
     means: list[Any] = [None] * len(leaves)
     new_states, estimates = [], []
     wide_states = _cast_residuals(state.level_states, jnp.float32)
@@ -362,16 +350,16 @@ def compressed_allreduce(
         means[leaf_index] = leaf_mean
       new_states.append(level_states)
       estimates.append(estimate)
-    new_states = _keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
-                              state.level_states)
+    new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
+                             state.level_states)
     new_state = CompressedAllReduceState(
-        estimates=_keep_finite(tuple(estimates), state.estimates), level_states=new_states,
+        estimates=keep_finite(tuple(estimates), state.estimates), level_states=new_states,
         key=key, count=state.count + 1, skipped_steps=state.skipped_steps)
     if nonfinite == "skip":
       skip = any_nonfinite(leaves, axes)
-      new_state = jax.tree.map(lambda new, old: jnp.where(skip, old, new), new_state,
-                               state)._replace(skipped_steps=state.skipped_steps + skip)
-      means = [jnp.where(skip, jnp.zeros_like(mean), mean) for mean in means]
+      new_state = keep_if(skip, state, new_state)._replace(
+          skipped_steps=state.skipped_steps + skip)
+      means = zero_if(skip, means)
     return treedef.unflatten(means), new_state
 
   return optax.GradientTransformation(init, update)

@@ -11,8 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from jaxcomm.collectives.axes import require_axes, require_varying
-from jaxcomm.mesh_axes import manual_axes, vary
+from jaxcomm.mesh_axes import manual_axes, require_axes, require_varying, vary
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import (check_bool, check_float, check_float_tree, check_int_range,
                                 check_learning_rate, check_unit_interval)

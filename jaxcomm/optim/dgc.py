@@ -13,11 +13,10 @@ import optax
 
 from jaxcomm.accounting import warmup
 from jaxcomm.collectives import strategies
-from jaxcomm.collectives.axes import require_axes
-from jaxcomm.compress.error_feedback import ErrorFeedbackState, error_feedback
+from jaxcomm.compress.error_feedback import ErrorFeedbackState
 from jaxcomm.compress.topk import topk
 from jaxcomm.keys import unread_key
-from jaxcomm.mesh_axes import device_count, manual_axes, vary
+from jaxcomm.mesh_axes import device_count, manual_axes, require_axes, vary
 from jaxcomm.optim import hsdp
 from jaxcomm.validation import check_float, check_fraction, check_int_range, check_unit_interval
 
@@ -34,7 +33,7 @@ class DGCState(NamedTuple):
     velocity: ``v``, float32, shaped like ``momentum``: accumulated momentum not yet sent.
     server_residual: per leaf, float32 ``(ceil(s / N),)`` for a shard of ``s`` elements and
       ``N`` workers: the two-phase server-side residual (``()`` per leaf with
-      ``strategy='gather'``).
+      the gather strategy).
     count: int32 step counter, replicated.
   """
   momentum: Any
@@ -46,7 +45,8 @@ class DGCState(NamedTuple):
 def dgc(density: float = 0.001, *, momentum: float = 0.9,
         warmup_densities: Sequence[float] = PAPER_WARMUP, warmup_stage_steps: int = 0,
         clip_norm: float | None = None, momentum_masking: bool = True,
-        strategy: str = "gather", fast_axis: str | None = None) -> optax.GradientTransformation:
+        strategy: str | strategies.Strategy | None = None,
+        fast_axis: str | None = None) -> optax.GradientTransformation:
   """Deep Gradient Compression: flat over every device, or across hosts after a dense mean.
 
   The workers are every device (``fast_axis=None``) or, with ``fast_axis``, the hosts: each
@@ -71,9 +71,9 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   Bytes per device and step, per leaf of ``d`` float32 elements, ``k`` the top-``k`` count of
   the exchanged vector, 8-byte (float32 value, int32 index) pairs:
 
-  * over the workers, ``strategy='gather'``: one all-gather of the payloads, ``(N - 1) 8k``;
-    ``'two_phase'``: an all-to-all of each chunk's top-k and an all-gather of the
-    re-sparsified owned chunk, about ``2 (N-1)/N 8k``, with a server residual.
+  * over the workers, gather: one all-gather of the payloads, ``(N - 1) 8k``; two-phase: an
+    all-to-all of each chunk's top-k and an all-gather of the re-sparsified owned chunk,
+    about ``2 (N-1)/N 8k``, with a server residual.
   * ``fast_axis=None``: that is all; ``N`` is every device and the vector the whole leaf, so
     the all-gather crosses every host.
   * ``fast_axis``: a reduce-scatter of the zero-padded leaf over ``fast_axis``,
@@ -91,7 +91,9 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     clip_norm: global-norm threshold of the whole model (``None``: no clipping); each worker
       clips its own gradient at ``clip_norm / sqrt(N)``.
     momentum_masking: zero ``u`` where ``v`` was sent.
-    strategy: ``'gather'`` or ``'two_phase'``.
+    strategy: how the workers exchange the top-k, as for :func:`jaxcomm.compressed_allreduce`:
+      ``Gather()`` or ``TwoPhase()`` of :mod:`jaxcomm.collectives` (or the names
+      ``'gather'``, ``'two_phase'``), or ``None``: resolved for top-k, which is ``Gather()``.
     fast_axis: the intra-host mesh axis averaged densely before DGC, e.g. ``'local'`` on a
       :func:`jaxcomm.make_mesh` mesh; the other mesh axes are the workers'. ``None``: every
       device is a worker.
@@ -115,16 +117,17 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
   momentum = check_unit_interval("momentum", momentum)
   if clip_norm is not None:
     clip_norm = check_float("clip_norm", clip_norm)
-  if strategy not in ("gather", "two_phase"):
-    raise ValueError(f"strategy must be 'gather' or 'two_phase', got {strategy!r}.")
+  strategy = strategies.check_strategy(strategy, topk(density))
   if fast_axis is not None and (not isinstance(fast_axis, str) or not fast_axis):
     raise TypeError(f"fast_axis must be a non-empty mesh axis name or None, got {fast_axis!r}.")
-  # gather sends top-k with error feedback; two-phase keeps its residuals itself
-  compressors = [error_feedback(topk(d)) if strategy == "gather" else topk(d)
-                 for d in densities]
+  compressors = [topk(d) for d in densities]
+
+  def resolved(topo: _Topology) -> strategies.Strategy:
+    return strategies.resolve(strategy, compressors[-1], device_count(topo.workers))
 
   def init(params) -> DGCState:
-    return _init_state(params, _topology(fast_axis, "dgc.init"), strategy)
+    topo = _topology(fast_axis, "dgc.init")
+    return _init_state(params, topo, resolved(topo))
 
   def update(grads, state: DGCState, params=None):
     del params
@@ -135,7 +138,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
     u = [momentum * m + g for m, g in zip(jax.tree.leaves(state.momentum), grads32)]
     v = [acc + m for acc, m in zip(jax.tree.leaves(state.velocity), u)]
     stage = jnp.minimum(state.count // max(stage_steps, 1), len(densities) - 1)
-    stages = [functools.partial(_sparse_step, c, topo.workers, strategy, momentum_masking)
+    stages = [functools.partial(_sparse_step, c, topo.workers, resolved(topo), momentum_masking)
               for c in compressors]
     means, u, v, server = jax.lax.switch(  # the last stage is the steady state
         stage, [warmup(f) for f in stages[:-1]] + stages[-1:], (u, v, state.server_residual))
@@ -181,12 +184,12 @@ def _shard_shape(leaf, topo: _Topology) -> tuple[int, ...]:
   return (-(-leaf.size // topo.group),)
 
 
-def _init_state(params, topo: _Topology, strategy: str) -> DGCState:
+def _init_state(params, topo: _Topology, strategy: strategies.Strategy) -> DGCState:
   zeros = lambda p: vary(jnp.zeros(_shard_shape(p, topo), jnp.float32), topo.axes)
   count = device_count(topo.workers)
   server = tuple(
       vary(jnp.zeros((-(-math.prod(_shard_shape(p, topo)) // count),), jnp.float32), topo.axes)
-      if strategy == "two_phase" else () for p in jax.tree.leaves(params))
+      if strategy.own_residuals else () for p in jax.tree.leaves(params))
   return DGCState(momentum=jax.tree.map(zeros, params), velocity=jax.tree.map(zeros, params),
                   server_residual=server, count=jnp.zeros((), jnp.int32))
 
@@ -219,21 +222,22 @@ def _clip(grads32: list, clip_norm: float | None, topo: _Topology) -> list:
   return [g * jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30)) for g in grads32]
 
 
-def _exchange(compressor, velocity, server, workers, strategy: str):
-  """``(sum over workers of the sent velocity, unsent velocity, server residual)``."""
+def _exchange(compressor, velocity, server, workers, strategy: strategies.Strategy):
+  """``(sum over workers of the sent velocity, unsent velocity, server residual)``: the
+  velocity is the error-feedback memory, so each exchange starts from a zero residual."""
   flat = velocity.reshape(-1)
-  key = unread_key()
-  if strategy == "gather":
-    unsent = ErrorFeedbackState(jnp.zeros_like(flat), (), jnp.ones((1,), jnp.bool_))
-    total, state = strategies.gather_sum(flat, compressor, unsent, key, workers)
+  if not strategy.own_residuals:  # gather: top-k with error feedback
+    unsent = ErrorFeedbackState(jnp.zeros_like(flat), ())
+    total, state = strategy.apply(flat, compressor, unsent, unread_key(), workers, True)
     return total, state.residual, server
   empty = strategies.two_phase_init(flat.size, device_count(workers))
-  total, state = strategies.two_phase_sum(
-      flat, compressor, empty._replace(server_residual=server), key, workers)
+  total, state = strategy.apply(flat, compressor, empty._replace(server_residual=server),
+                                unread_key(), workers, True)
   return total, state.worker_residual[:flat.size], state.server_residual
 
 
-def _sparse_step(compressor, workers, strategy: str, momentum_masking: bool, operands):
+def _sparse_step(compressor, workers, strategy: strategies.Strategy, momentum_masking: bool,
+                 operands):
   """One exchange of every leaf's velocity: ``(means, u, unsent v, server residuals)``."""
   u, v, server = operands
   results = [_exchange(compressor, leaf, s, workers, strategy) for leaf, s in zip(v, server)]

@@ -174,7 +174,7 @@ def _check_choco(compressor, random_graph: bool) -> None:
   if not isinstance(compressor, Compressor):
     raise TypeError(f"compressor must be a jaxcomm.Compressor or None, got "
                     f"{type(compressor).__name__}.")
-  if compressor.init((1,), jnp.float32) != ():
+  if compressor.stateful:
     raise ValueError(f"compressor must be stateless for CHOCO-SGD; {compressor.name} keeps "
                      "state.")
   if random_graph:

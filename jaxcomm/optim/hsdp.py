@@ -33,6 +33,9 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from jaxcomm.collectives.hierarchical import prescattered
 from jaxcomm.collectives.powersgd import PowerSGDLeafState
 from jaxcomm.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
+from jaxcomm.keys import nth_key
+from jaxcomm.mesh_axes import vary, vary_tree
+from jaxcomm.nonfinite import any_nonfinite, keep_if
 from jaxcomm.optim.sharding import sharded_init, state_specs
 
 # Collectives as jaxpr primitives, with the parameter naming their axes.
@@ -277,9 +280,8 @@ def on_shards(tx: optax.GradientTransformation,
     shard_shapes = {jnp.shape(leaf) for leaf in jax.tree.leaves(params)}
 
     def per_shard(leaf):
-      if (jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shard_shapes
-          and axis not in jax.typeof(leaf).mat.varying):
-        return jax.lax.pcast(leaf, (axis,), to="varying")
+      if jnp.issubdtype(leaf.dtype, jnp.floating) and leaf.shape in shard_shapes:
+        return vary(leaf, (axis,))
       return leaf
 
     return jax.tree.map(per_shard, state)
@@ -345,8 +347,7 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   differing = []
 
   def probe(shards, opt_state):
-    grads = jax.tree.map(lambda leaf: jax.lax.pcast(leaf, others, to="varying")
-                         if others and not per_host else leaf, shards)
+    grads = shards if per_host else vary_tree(shards, others)
     updates = tx.update(grads, opt_state, shards)[0]
     differing.extend(set(others) & set(jax.typeof(leaf).mat.varying)
                      for leaf in jax.tree.leaves(updates))
@@ -404,7 +405,7 @@ def column_blocks(shape: tuple, group: int, rank: int, min_compression_rate: flo
 
 
 def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression_rate: float,
-                    seed: int, slow_axis: str) -> tuple:
+                    seed: int | jax.Array, slow_axis: str) -> tuple:
   """PowerSGD's per-leaf state on shards: for a factorized leaf, this device's rows of the
   warm start ``Q`` (``(c, r)`` for its ``c`` columns, varying over the sharded axis) and a
   residual shaped like its flat shard; ``()`` for a leaf sent dense."""
@@ -416,9 +417,9 @@ def powersgd_states(leaves, shards: ShardedLeaves, *, rank: int, min_compression
     if not columns:
       states.append(())
       continue
-    block = jax.lax.dynamic_slice_in_dim(initial_q(seed + index, shape, rank),
+    block = jax.lax.dynamic_slice_in_dim(initial_q(nth_key(seed, index), shape, rank),
                                          jax.lax.axis_index(shards.axis) * columns, columns)
-    residual = jax.lax.pcast(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,), to="varying")
+    residual = vary(jnp.zeros(leaf.shape, jnp.float32), (slow_axis,))
     states.append(PowerSGDLeafState(q=block, residual=residual))
   return tuple(states)
 
@@ -456,11 +457,9 @@ def powersgd_on_shards(leaves, states, shards: ShardedLeaves, *, slow_axis: str,
     approx = p @ q.T
     with jax.named_scope(SHARD_AWARE_SCOPE):
       alive = jax.lax.psum(jnp.sum(q * q, axis=0, keepdims=True), axis) > 0
-    finite = jax.lax.pmin(jnp.all(jnp.isfinite(approx)).astype(jnp.int32), axis) > 0
     residual = ((corrected - approx / hosts).T.reshape(leaf.shape) if feedback
                 else state.residual)
     outputs.append(approx.T.reshape(leaf.shape))
-    new_states.append(PowerSGDLeafState(
-        q=jnp.where(finite, jnp.where(alive, q, state.q), state.q),
-        residual=jnp.where(finite, residual, state.residual)))
+    new_states.append(keep_if(any_nonfinite(approx, (axis,)), state, PowerSGDLeafState(
+        q=jnp.where(alive, q, state.q), residual=residual)))
   return outputs, new_states

@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes
-from jaxcomm.optim.nonfinite import any_nonfinite, has_nonfinite, keep_if, zero_if
+from jaxcomm.mesh_axes import require_axes
+from jaxcomm.nonfinite import any_nonfinite, has_nonfinite, keep_if, zero_if
 from jaxcomm.validation import check_float, check_int_range
 
 
@@ -84,10 +84,10 @@ def dynamic_loss_scale(allreduce: optax.GradientTransformation,
 
   def update(scaled_grads, state: DynamicLossScaleState, params=None):
     require_axes(axes, "dynamic_loss_scale.update")
-    any_device_bad = any_nonfinite(jax.tree.leaves(scaled_grads), axes)
+    any_device_bad = any_nonfinite(scaled_grads, axes)
     mean, allreduce_state = allreduce.update(scaled_grads, state.allreduce, params)
     # The mean is identical on every device, so its own check needs no agreement.
-    skip = any_device_bad | has_nonfinite(jax.tree.leaves(mean))
+    skip = any_device_bad | has_nonfinite(mean)
     unscaled = jax.tree.map(
         lambda g: jnp.where(skip, 0.0, g.astype(jnp.float32) / state.scale).astype(g.dtype), mean)
     updates, optimizer_state = optimizer.update(unscaled, state.optimizer, params)

@@ -1,10 +1,5 @@
-"""The non-finite policy: what a NaN or Inf in a gradient does to a step.
-
-One home for the policy of the optimizers: detecting a non-finite value (on this device, or
-agreed by all with one 4-byte ``pmax``), the three modes (``'skip'`` the whole step on every
-device, ``'zero'`` the bad entries, ``'propagate'``), and keeping state as it was on a
-skipped step. (Compressors detect with :func:`jaxcomm.compress.base.all_finite`: ``compress/``
-sits below this package.)
+"""The non-finite modes as optax transformations: skipping a whole chain's step, or zeroing
+bad gradient entries before it. Detection and keeping state are :mod:`jaxcomm.nonfinite`'s.
 """
 
 from __future__ import annotations
@@ -16,45 +11,9 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes
-
-
-NONFINITE_MODES = ("skip", "zero", "propagate")
-
-
-def check_nonfinite_mode(value: str) -> str:
-  """Validates a ``nonfinite=`` argument against :data:`NONFINITE_MODES`."""
-  if value not in NONFINITE_MODES:
-    raise ValueError(f"nonfinite must be one of {', '.join(NONFINITE_MODES)}; got {value!r}.")
-  return value
-
-
-def has_nonfinite(leaves: Sequence[jax.Array]) -> jax.Array:
-  """Bool scalar: some leaf holds a NaN or Inf (on this device; no communication)."""
-  if not leaves:
-    return jnp.zeros((), jnp.bool_)
-  return jnp.logical_not(jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves])))
-
-
-def any_nonfinite(leaves: Sequence[jax.Array], axes: Sequence[str]) -> jax.Array:
-  """Replicated bool: some device holds a NaN or Inf. One 4-byte ``pmax`` over ``axes``."""
-  return jax.lax.pmax(has_nonfinite(leaves).astype(jnp.int32), tuple(axes)) > 0
-
-
-def zero_nonfinite(tree):
-  """``tree`` with every NaN and Inf entry replaced by 0 (elementwise, no communication)."""
-  return jax.tree.map(lambda x: jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x)), tree)
-
-
-def keep_if(keep: jax.Array, old, new):
-  """``old`` where the bool scalar ``keep`` holds, else ``new``, leaf by leaf (two pytrees of
-  one structure): the state a skipped step leaves behind."""
-  return jax.tree.map(lambda o, n: jnp.where(keep, o, n), old, new)
-
-
-def zero_if(skip: jax.Array, updates):
-  """Zero updates where the bool scalar ``skip`` holds: a skipped step moves nothing."""
-  return jax.tree.map(lambda u: jnp.where(skip, jnp.zeros_like(u), u), updates)
+from jaxcomm.mesh_axes import require_axes
+from jaxcomm.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_if, zero_if,
+                               zero_nonfinite)
 
 
 def with_nonfinite_policy(inner: optax.GradientTransformation, mode: str,

@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.accounting import warmup as warmup_phase
-from jaxcomm.collectives.axes import require_axes, require_varying
+from jaxcomm.mesh_axes import require_axes, require_varying
 from jaxcomm.collectives.hierarchical import hierarchical_allreduce, init_states, level
+from jaxcomm.collectives.strategies import Strategy, TwoPhase
 from jaxcomm.compress.sign import sign
 from jaxcomm.keys import unread_key
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
@@ -26,8 +27,8 @@ class OneBitAdamState(NamedTuple):
     count: int32 steps taken.
     mu: first moment, replicated (the averaged momentum).
     nu: second moment, replicated; frozen after the warm-up.
-    residuals: per leaf, the two-phase collective's worker and server residuals over the
-      slow axis (device-local).
+    residuals: per leaf, the slow level's error feedback (two-phase: worker and server
+      residuals), device-local.
   """
   count: jax.Array
   mu: Any
@@ -35,15 +36,17 @@ class OneBitAdamState(NamedTuple):
   residuals: tuple
 
 
-def adam_setup(b1: float, b2: float, eps: float, fast_axis: str, slow_axis: str) -> tuple:
+def adam_setup(b1: float, b2: float, eps: float, fast_axis: str, slow_axis: str,
+               strategy: str | Strategy | None) -> tuple:
   """Validated ``(b1, b2, eps, onebit_levels, dense_levels)`` of the 1-bit Adams: 1-bit
-  levels are full precision over ``fast_axis`` and scaled sign (two-phase) over
-  ``slow_axis``; dense levels full precision over both."""
+  levels are full precision over ``fast_axis`` and scaled sign over ``slow_axis`` with
+  ``strategy`` (checked and resolved as by :func:`jaxcomm.collectives.level`); dense levels
+  full precision over both."""
   if fast_axis == slow_axis:
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   return (check_unit_interval("b1", b1), check_unit_interval("b2", b2),
           check_float("eps", eps, inclusive=True),
-          (level(fast_axis), level(slow_axis, sign(), strategy="two_phase")),
+          (level(fast_axis), level(slow_axis, sign(), strategy=strategy)),
           (level(fast_axis), level(slow_axis)))
 
 
@@ -74,7 +77,8 @@ def _onebit_momentum(leaves, mu, nu, b1: float, levels, residuals):
 
 def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1: float = 0.9,
                 b2: float = 0.999, eps: float = 1e-8, fast_axis: str = LOCAL_AXIS,
-                slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
+                slow_axis: str = HOST_AXIS, strategy: str | Strategy | None = TwoPhase()
+                ) -> optax.GradientTransformation:
   """1-bit Adam over a ``(slow, fast)`` mesh, from per-device gradients to parameter updates.
 
   For the first ``warmup_steps`` steps: the gradient is averaged at full precision and Adam
@@ -102,6 +106,10 @@ def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1:
     eps: added to the root of the variance.
     fast_axis: intra-host mesh axis.
     slow_axis: inter-host mesh axis.
+    strategy: how the slow axis sums the 1-bit momenta, as for
+      :func:`jaxcomm.compressed_allreduce`: ``TwoPhase()`` (the paper's compressed
+      allreduce, default), ``Gather()``, their names, or ``None`` (resolved for scaled sign:
+      ``Gather()``).
 
   Returns:
     An ``optax.GradientTransformation`` that takes this device's gradients (see
@@ -114,7 +122,8 @@ def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1:
   """
   schedule = check_learning_rate("learning_rate", learning_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 1)
-  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
+  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis,
+                                                            strategy)
   axes = (fast_axis, slow_axis)
 
   def init(params) -> OneBitAdamState:

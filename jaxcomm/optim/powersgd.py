@@ -10,13 +10,14 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm.accounting import warmup
-from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
 from jaxcomm.compress.base import psum_payload
 from jaxcomm.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
-from jaxcomm.mesh_axes import vary
+from jaxcomm.mesh_axes import require_axes, require_varying, vary
+from jaxcomm.keys import check_seed, nth_key
 from jaxcomm.optim import hsdp
-from jaxcomm.optim.nonfinite import has_nonfinite, keep_if, with_nonfinite_policy
+from jaxcomm.nonfinite import has_nonfinite, keep_if
+from jaxcomm.optim.nonfinite import with_nonfinite_policy
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import check_float, check_float_input, check_float_tree, check_int_range
 
@@ -36,7 +37,7 @@ class PowerSGDAllReduceState(NamedTuple):
 
 def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
                        warmup_steps: int = 0, feedback: bool = True, epsilon: float = 1e-8,
-                       seed: int = 0, fast_axis: str = LOCAL_AXIS,
+                       seed: int | jax.Array = 0, fast_axis: str = LOCAL_AXIS,
                        slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """Mean of per-device gradients: dense inside a host, rank-``r`` PowerSGD between hosts.
 
@@ -60,7 +61,8 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     feedback: keep error-feedback residuals (the paper's method); without, the output is the
       plain rank-r approximation of the mean.
     epsilon: added to column norms when orthogonalizing; >= 0.
-    seed: seed of the initial ``Q``.
+    seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the
+      initial ``Q``s: leaf ``i``'s is drawn from :func:`jaxcomm.keys.nth_key` ``(seed, i)``.
     fast_axis: intra-host mesh axis.
     slow_axis: inter-host mesh axis.
 
@@ -75,7 +77,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
   min_compression_rate = check_float("min_compression_rate", min_compression_rate)
   warmup_steps = check_int_range("warmup_steps", warmup_steps, 0)
   epsilon = check_float("epsilon", epsilon, inclusive=True)
-  seed = check_int_range("seed", seed, 0)
+  seed = check_seed("seed", seed)
   if not isinstance(feedback, bool):
     raise TypeError(f"feedback must be a bool, got {feedback!r}.")
   for name, axis in (("fast_axis", fast_axis), ("slow_axis", slow_axis)):
@@ -137,7 +139,7 @@ def _host_sums(leaves, shards, fast_axis: str, slow_axis: str) -> list:
   return [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
 
 
-def _init_state(params, rank: int, min_compression_rate: float, seed: int,
+def _init_state(params, rank: int, min_compression_rate: float, seed: int | jax.Array,
                 slow_axis: str, shards=None) -> PowerSGDAllReduceState:
   """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
   ``()`` per leaf sent dense; under ``shard_over`` (``shards``) by column blocks."""
@@ -153,7 +155,7 @@ def _init_state(params, rank: int, min_compression_rate: float, seed: int,
     if compression_rate(tuple(leaf.shape), rank) < min_compression_rate:
       states.append(())
       continue
-    states.append(PowerSGDLeafState(q=initial_q(seed + index, leaf.shape, rank),
+    states.append(PowerSGDLeafState(q=initial_q(nth_key(seed, index), leaf.shape, rank),
                                     residual=vary(jnp.zeros(leaf.shape, jnp.float32),
                                                   (slow_axis,))))
   return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
@@ -255,7 +257,7 @@ def leaf_allreduce(compressor, *, feedback: bool, fast_axis: str,
       mean = compressor.decode(psum_payload(payload, slow_axis), leaf.shape)
       if feedback:
         kept = corrected - compressor.decode(payload, leaf.shape)
-        residual = keep_if(has_nonfinite([mean]), residual, kept)
+        residual = keep_if(has_nonfinite(mean), residual, kept)
       means.append(mean.astype(leaf.dtype))
       states.append(new_cstate)
       residuals.append(residual)

@@ -9,11 +9,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes
 from jaxcomm.compress import chunks
 from jaxcomm.compress.packing import pack_bits, packed_nbytes, unpack_bits
 from jaxcomm.compress.topk import MAX_UINT16_CHUNK
-from jaxcomm.mesh_axes import manual_axes, vary
+from jaxcomm.mesh_axes import manual_axes, require_axes, vary
 from jaxcomm.optim import hsdp
 from jaxcomm.optim.periodic import periodic_averaging
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS

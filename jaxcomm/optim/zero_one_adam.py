@@ -18,10 +18,10 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import first_invariant, require_axes, require_varying
 from jaxcomm.collectives.hierarchical import init_states
+from jaxcomm.collectives.strategies import Strategy, TwoPhase
 from jaxcomm.keys import unread_key
-from jaxcomm.mesh_axes import vary
+from jaxcomm.mesh_axes import first_invariant, require_axes, require_varying, vary
 from jaxcomm.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm.validation import check_float_tree, check_int_range, check_learning_rate
@@ -49,7 +49,8 @@ class ZeroOneAdamState(NamedTuple):
       local, synchronization (the branches of the step's ``lax.switch``, so
       ``steps_per_kind / count`` weighs their bytes in
       ``CommReport.link_bytes(branch_weights=...)``).
-    residuals: per leaf, the two-phase worker and server residuals over the slow axis.
+    residuals: per leaf, the slow level's error feedback (two-phase: worker and server
+      residuals).
   """
   count: jax.Array
   mu: Any
@@ -82,7 +83,8 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
                   var_update_scaler: int = 16, local_step_scaler: int = 32768,
                   local_step_clipper: int = 16, b1: float = 0.9, b2: float = 0.999,
                   eps: float = 1e-8, fast_axis: str = LOCAL_AXIS,
-                  slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
+                  slow_axis: str = HOST_AXIS, strategy: str | Strategy | None = TwoPhase()
+                  ) -> optax.GradientTransformation:
   """0/1 Adam over a ``(slow, fast)`` mesh for device-local parameters.
 
   Step ``t`` (1-based) is one of four kinds; all devices agree on the kind (it depends on
@@ -109,7 +111,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     they hold accumulated momenta (as DeepSpeed does).
 
   1-bit averaging is full precision over ``fast_axis`` and scaled sign over ``slow_axis``
-  with the two-phase collective and worker and server error feedback. Coordinates whose
+  with ``strategy`` (by default the two-phase collective, worker and server error feedback). Coordinates whose
   variance is still 0 (no gradient on any variance step) are not updated, as in
   :func:`jaxcomm.onebit_adam`.
 
@@ -137,6 +139,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
     eps: added to the root of the variance, ``>= 0``.
     fast_axis: intra-host mesh axis.
     slow_axis: inter-host mesh axis.
+    strategy: how the slow axis sums the 1-bit values, as for :func:`jaxcomm.onebit_adam`.
 
   Returns:
     An ``optax.GradientTransformation`` whose ``update(grads, state, params)`` takes this
@@ -159,7 +162,8 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
   var_scaler = check_int_range("var_update_scaler", var_update_scaler, 1)
   sync_scaler = check_int_range("local_step_scaler", local_step_scaler, 1)
   clipper = check_int_range("local_step_clipper", local_step_clipper, 1)
-  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis)
+  b1, b2, eps, compressed_levels, dense_levels = adam_setup(b1, b2, eps, fast_axis, slow_axis,
+                                                            strategy)
   hyper = _Hyper(b1, b2, eps, (fast_axis, slow_axis), compressed_levels, dense_levels)
 
   def init(params) -> ZeroOneAdamState:

@@ -24,7 +24,6 @@ def test_estimate_is_exactly_the_sum_of_the_decoded_payloads(name):
     payload, state = encode(x, state, jax.random.PRNGKey(100 + step))
     total_sent += np.asarray(compressor.decode(payload, shape))
     np.testing.assert_allclose(state.estimate, total_sent, rtol=1e-5, atol=1e-5)
-  assert bool(state.finite[0])
 
 
 def test_topk_estimate_error_contracts_by_k_over_d_every_step():
@@ -64,7 +63,6 @@ def test_estimate_and_inner_state_never_take_non_finite_values():
   for bad in (jnp.nan, jnp.inf):
     _, state = compressor.encode(jnp.array([1.0, bad, 3.0, 4.0]), state, jax.random.PRNGKey(1))
     chex.assert_trees_all_close(state.estimate, before)
-    assert not bool(state.finite[0])
 
 
 def test_facts_and_bad_input():

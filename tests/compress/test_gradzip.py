@@ -87,7 +87,7 @@ def test_same_key_same_basis_and_the_basis_is_orthonormal():
     (dict(rank=2.5), "rank must be an int, got 2.5"),
     (dict(min_compression_rate=0.0), "min_compression_rate must be a finite float > 0"),
     (dict(scale=1), "scale must be a bool, got 1"),
-    (dict(seed=-1), "seed must be >= 0, got -1"),
+    (dict(seed=1.5), "seed must be an int seed, a jax.random.key"),
 ])
 def test_bad_arguments_raise_at_construction(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):

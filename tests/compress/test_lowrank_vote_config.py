@@ -55,13 +55,13 @@ def test_powersgd_zero_gradient_keeps_the_warm_start():
   payload, after = compressor.encode(jnp.zeros((20, 12)), state, None)
   chex.assert_trees_all_equal(after.q, state.q)
   np.testing.assert_array_equal(compressor.decode(payload, (20, 12)), 0.0)
-  np.testing.assert_array_equal(state.q, initial_q(0, (20, 12), 2))
+  np.testing.assert_array_equal(state.q, initial_q(jax.random.PRNGKey(0), (20, 12), 2))
 
 
 def test_powersgd_steps_with_psum_average_over_devices():
   u = jnp.arange(1.0, 7.0)
   grads = jnp.stack([jnp.outer(u, jnp.linspace(0, 1, 10)), jnp.outer(u, jnp.linspace(2, 0, 10))])
-  q0 = initial_q(0, (10, 6), 1)  # the (out=6, rest=10) view of a (10, 6) tensor
+  q0 = initial_q(jax.random.PRNGKey(0), (10, 6), 1)  # the (out=6, rest=10) view of a (10, 6) tensor
 
   def device(matrix):
     p = orthogonalize(jax.lax.pmean(project(matrix, q0), "devices"))
@@ -98,11 +98,11 @@ BAD_CONFIGS = [
     (lambda: count_sketch(0), ValueError, "width"),
     (lambda: count_sketch(8, 0), ValueError, "depth"),
     (lambda: count_sketch(8, heavy=1.5), ValueError, "heavy"),
-    (lambda: randomk(0.0), ValueError, "fraction"),
-    (lambda: randomk(1.5), ValueError, "fraction"),
+    (lambda: randomk(0.0), ValueError, "density"),
+    (lambda: randomk(1.5), ValueError, "density"),
     (lambda: randomk(0.1, shared=1), TypeError, "shared"),
-    (lambda: topk(0.0), ValueError, "fraction"),
-    (lambda: topk(fraction=None, k=0), ValueError, "k"),
+    (lambda: topk(0.0), ValueError, "density"),
+    (lambda: topk(k=0), ValueError, "k"),
     (lambda: threshold(0.0), ValueError, "value"),
     (lambda: threshold(1.0, capacity=0.0), ValueError, "capacity"),
     (lambda: adaptive_threshold(0.5, capacity=0.1), ValueError, "capacity"),

@@ -55,7 +55,7 @@ def test_policy_validates(kwargs, error, name):
 
 
 def test_selective_picks_by_noise_ratio_every_k_steps():
-  sel = selective(0.2, 0.8, period=20, beta=0.9, topk_fraction=0.1)
+  sel = selective(0.2, 0.8, period=20, beta=0.9, topk_density=0.1)
   grads_like = {"signal": jnp.zeros(64), "mixed": jnp.zeros(64), "noise": jnp.zeros(64)}
   stats = sel.init(grads_like)
   assert sel.choose(stats) == [None, None, None]
@@ -84,7 +84,7 @@ def test_selective_picks_by_noise_ratio_every_k_steps():
     ({"tau_low": 0.5, "tau_high": 1.5}, "tau_high"),
     ({"tau_low": 0.1, "tau_high": 0.5, "period": 0}, "period"),
     ({"tau_low": 0.1, "tau_high": 0.5, "beta": 1.0}, "beta"),
-    ({"tau_low": 0.1, "tau_high": 0.5, "topk_fraction": 0.0}, "topk_fraction"),
+    ({"tau_low": 0.1, "tau_high": 0.5, "topk_density": 0.0}, "topk_density"),
 ])
 def test_selective_validates(kwargs, name):
   with pytest.raises(ValueError, match=name):

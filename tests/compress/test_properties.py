@@ -55,6 +55,9 @@ UNBIASED = {
     "randomk_shared": (randomk(0.25), SIZE / 4 - 1.0),
     "randomk_int8": (compose(randomk(0.5, shared=False), quantize(8)), None),
 }
+# Their unbiasedness is checked over shapes and seeds on the catalog's instances
+# (tests/compress/test_catalog_properties.py); the others' here.
+IN_CATALOG = {"qsgd", "qsgd_bucketed", "terngrad", "natural", "int4", "randomk_shared"}
 
 
 @pytest.mark.parametrize("name", sorted(UNBIASED))
@@ -70,9 +73,10 @@ def test_unbiased_with_stated_variance(name):
     decoded = np.asarray(run(compressor.init(X.shape, X.dtype)), np.float64)
   else:
     decoded = samples(compressor)
-  mean, std = decoded.mean(0), decoded.std(0)
-  bound = 5.0 * std / math.sqrt(decoded.shape[0]) + 1e-6
-  np.testing.assert_array_less(np.abs(mean - np.asarray(X)), bound)
+  if name not in IN_CATALOG:
+    mean, std = decoded.mean(0), decoded.std(0)
+    bound = 5.0 * std / math.sqrt(decoded.shape[0]) + 1e-6
+    np.testing.assert_array_less(np.abs(mean - np.asarray(X)), bound)
   if omega is not None:
     error = np.mean(np.sum((decoded - np.asarray(X)) ** 2, axis=1))
     assert error <= 1.1 * omega * _sq(X), (error, omega * _sq(X))
@@ -80,7 +84,7 @@ def test_unbiased_with_stated_variance(name):
 
 def test_topk_contraction_exact_and_chunked():
   for compressor, delta in ((topk(0.25), 4 / SIZE), (topk(0.25, chunk=8), 2 / 8),
-                            (topk(fraction=None, k=3), 3 / SIZE)):
+                            (topk(k=3), 3 / SIZE)):
     payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
     error = _sq(compressor.decode(payload, X.shape) - X)
     assert error <= (1 - delta) * _sq(X) + 1e-6, compressor.name
@@ -287,13 +291,12 @@ def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():
   assert np.mean(np.sum((many - np.asarray(X)) ** 2, axis=1)) <= SIZE * step**2 / 4
 
 
-def test_shared_quantize_nonfinite_on_one_device_is_flagged_on_all():
+def test_shared_quantize_nonfinite_on_one_device_is_kept_out_of_every_residual():
   wrapped = error_feedback(shared_quantize())
   state = wrapped.init(X.shape, X.dtype)
   inputs = jnp.stack([X, X.at[0].set(jnp.nan)])
   _, states = jax.vmap(_over_devices(wrapped.encode), in_axes=(0, None, None),
                        axis_name="devices")(inputs, state, jax.random.PRNGKey(0))
-  np.testing.assert_array_equal(states.finite[:, 0], [False, False])
   np.testing.assert_array_equal(states.residual, 0.0)
   with pytest.raises(ValueError, match="at most 127 devices; the axis has 128"):
     with combining(AxisContext(size=128)):

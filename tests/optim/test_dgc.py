@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import jaxcomm
+from jaxcomm.collectives import Dense, Gather, TwoPhase
 from jaxcomm.compress.topk import topk_count
 from jaxcomm.optim.dgc import dgc
 from lowcomm_helpers import (DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
@@ -18,8 +19,9 @@ from update_helpers import measure_update
 LR = 0.1
 
 
-TOPOLOGIES = [("gather", None), ("two_phase", None), ("gather", "local"),
-              ("two_phase", "local")]
+# Strategies as values, as names (the aliases compressed_allreduce accepts) and None
+# (resolved for top-k: gather).
+TOPOLOGIES = [(None, None), (TwoPhase(), None), (Gather(), "local"), ("two_phase", "local")]
 
 
 @pytest.mark.parametrize("strategy, fast_axis", TOPOLOGIES)
@@ -105,7 +107,9 @@ def test_fast_axis_missing_from_the_mesh_or_alone_in_it_raises():
     ({"warmup_densities": (0.25, 2.0)}, r"warmup_densities must be in \(0, 1\], got 2.0"),
     ({"warmup_stage_steps": -1}, "warmup_stage_steps must be >= 0, got -1"),
     ({"momentum": 1.0}, r"momentum must be in \[0, 1\), got 1.0"),
-    ({"strategy": "linear"}, "strategy must be 'gather' or 'two_phase', got 'linear'"),
+    ({"strategy": "linear"}, "strategy='linear' needs a linear compressor"),
+    ({"strategy": Dense()}, "strategy='dense' sends full precision and takes no compressor"),
+    ({"strategy": "ring"}, "strategy must be one of dense, linear, gather, two_phase"),
 ])
 def test_bad_arguments_raise(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):

@@ -121,6 +121,8 @@ def test_random_peers_are_drawn_alike_from_a_seed_and_from_its_typed_or_legacy_k
     ({"graph": "random", "compressor": jaxcomm.sign()}, "graph='random' cannot carry CHOCO"),
     ({"consensus_step": 1.5}, r"consensus_step must be in \(0, 1\], got 1.5"),
     ({"compressor": "sign"}, "compressor must be a jaxcomm.Compressor"),
+    ({"compressor": jaxcomm.compress.randomk(0.5)},
+     r"compressor must be stateless for CHOCO-SGD; randomk\(0.5\) keeps state"),
     ({"seed": 1.5}, r"seed must be an int seed, a jax.random.key\(...\) .*got 1.5"),
     ({"seed": True}, "seed must be an int seed"),
 ])

@@ -70,10 +70,10 @@ def test_after_warm_up_the_variance_is_frozen_and_training_keeps_up_with_adam(pr
   chex.assert_tree_all_finite(state)
 
 
-def test_compressed_phase_sends_one_bit_per_element_between_hosts(problem):
+def _compressed_phase(problem, tx):
+  """The collectives of ``tx``'s compressed phase alone, and the parameters' sizes."""
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   loss_fn, params, (inputs, labels) = problem
-  tx = jaxcomm.onebit_adam(1e-2, warmup_steps=1)
   state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit
@@ -86,22 +86,43 @@ def test_compressed_phase_sends_one_bit_per_element_between_hosts(problem):
 
   grads = jax.tree.map(lambda p: jnp.ones((8, *p.shape)), params)
   report = jaxcomm.accounting.measure(compressed_only, grads, state, mesh=mesh)
+  return report.collectives, [leaf.size for leaf in jax.tree.leaves(params)]
+
+
+def _sign_payload(size):
+  """Packed signs of ``size`` elements plus one float32 scale."""
+  return -(-size // 8) + 4
+
+
+def test_compressed_phase_sends_one_bit_per_element_between_hosts(problem):
+  collectives, sizes = _compressed_phase(problem, jaxcomm.onebit_adam(1e-2, warmup_steps=1))
   # The 1-bit phase's all-to-all: each device sends the other host its half of its
   # ceil(d/4)-element shard as packed signs plus one float32 scale.
   def chunk_payload(size):
-    chunk = -(-(-(-size // 4)) // 2)
-    return -(-chunk // 8) + 4
-  sizes = [leaf.size for leaf in jax.tree.leaves(params)]
-  all_to_all = [op for op in report.collectives if op.kind == "all-to-all"]
+    return _sign_payload(-(-(-(-size // 4)) // 2))
+  all_to_all = [op for op in collectives if op.kind == "all-to-all"]
   assert all(op.axes == ("host",) for op in all_to_all)
   assert sum(op.bytes_per_device for op in all_to_all) == sum(chunk_payload(s) for s in sizes)
   assert {"u8"} == {d for op in all_to_all for d in op.dtypes}  # signs and scale, one buffer
+
+
+def test_the_slow_axis_strategy_is_a_strategy_value_as_for_compressed_allreduce(problem):
+  tx = jaxcomm.onebit_adam(1e-2, warmup_steps=1, strategy=jaxcomm.collectives.Gather())
+  collectives, sizes = _compressed_phase(problem, tx)
+  # Gather: each device all-gathers its ceil(d/4)-element shard's 1-bit payload from the
+  # other host, (H - 1) c = c bytes; no all-to-all.
+  over_hosts = [op for op in collectives if op.axes == ("host",) and not op.warmup]
+  assert {op.kind for op in over_hosts} == {"all-gather"}
+  assert (sum(op.bytes_per_device for op in over_hosts)
+          == sum(_sign_payload(-(-size // 4)) for size in sizes))
 
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"warmup_steps": 0}, "warmup_steps"), ({"b1": 1.0}, "b1"), ({"b2": -0.1}, "b2"),
     ({"learning_rate": 0.0}, "learning_rate"), ({"learning_rate": "1e-3"}, "learning_rate"),
     ({"fast_axis": "host"}, "must differ"),
+    ({"strategy": "linear"}, "strategy='linear' needs a linear compressor"),
+    ({"strategy": "dense"}, "strategy='dense' sends full precision"),
 ])
 def test_bad_arguments(kwargs, match):
   arguments = {"learning_rate": 1e-3, "warmup_steps": 10, **kwargs}
