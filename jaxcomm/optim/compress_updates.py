@@ -59,8 +59,8 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   trajectory itself, with no optimizer after it to amplify the residual's delay.
 
   With ``compressor=None`` (or the identity) and one host it is ``optax.chain(
-  compressed_allreduce(), inner)`` exactly; with several hosts and a linear ``inner``
-  (``optax.sgd``, momentum included) too, up to float rounding. With several hosts and Adam,
+  compressed_allreduce(), inner)``; with several hosts and a linear ``inner`` (``optax.sgd``,
+  momentum included) too (both equal to float32 rounding, tested). With several hosts and Adam,
   each host's moments see its own mean gradient (``1/H`` of the global batch), not the global
   one: the uncompressed form is itself a (close) variant of data-parallel Adam, measured in
   docs/results.md.
