@@ -1,5 +1,5 @@
-"""mesh_scan with parametrized variants of DeMo and SparseLoCo: the measurements behind their
-defaults (docs/results.md, "Tuning DeMo and SparseLoCo").
+"""mesh_scan with parametrized variants of DeMo, SparseLoCo and compress_updates: the runs
+behind docs/algorithms.md ("On the GPT quality task") and docs/quality.md (section 8).
 
 A method name ``BASE@key=value@key=value`` is the registry method ``BASE`` built with those
 keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.015625@beta=0.9``
