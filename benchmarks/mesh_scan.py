@@ -51,8 +51,8 @@ GPT_DEFAULT_STEPS = 100
 #: The language-model quality table: the references, the per-step compressors (top-k with the
 #: default strategy too) and the optimizers that communicate less often.
 LM_METHODS = ("fp32", "fp32-hier", "int8", "sign-ef", "topk-ef", "topk-ef-default",
-              "powersgd-r1", "powersgd-r4", "onebit-adam", "demo", "diloco-h8", "sparseloco-h8",
-              "streaming-diloco-h8-q4", "streaming-diloco-h8-q2")
+              "powersgd-r1", "powersgd-r4", "onebit-adam", "sign-ef-updates", "demo", "diloco-h8",
+              "sparseloco-h8", "streaming-diloco-h8-q4", "streaming-diloco-h8-q2")
 #: Its shortened form in the default and full profiles.
 LM_DEFAULT_METHODS = ("fp32", "fp32-hier", "topk-ef", "demo", "sparseloco-h8")
 #: The default profile's methods on the char LM: the references, one of each compressor family

@@ -293,6 +293,15 @@ def _zero_one_adam() -> Method:
                 branch_fractions=lambda setting, state: zero_one_branch_fractions(state))
 
 
+def _updates_project(setting, shapes, hosts, local):
+  """compress_updates with sign: the host's gradient mean (an fp32 all-reduce inside it), then
+  the sign allreduce of the update (reduce-scatter and all-gather inside, gather across)."""
+  inner = NO_TRAFFIC
+  for shape in shapes:
+    inner = inner + Traffic(ring_cost("all-reduce", 4 * math.prod(shape), local), NO_COST)
+  return inner + projection.hierarchical(shapes, hosts, local, jaxcomm.sign(), "gather")
+
+
 def _entries() -> list[Method]:
   return [
       Method("fp32", "plain jax.lax.pmean over both axes at full precision (the reference)",
@@ -348,6 +357,12 @@ def _entries() -> list[Method]:
              branch_fractions=lambda s, state: onebit_branch_fractions(int(state.count),
                                                                        _onebit_warmup(s))),
       _zero_one_adam(),
+      Method("sign-ef-updates", "AdamW per host on the host's fp32 gradient mean, its update "
+             "sent across hosts as scaled 1-bit sign with error feedback, all-gather "
+             "(jaxcomm.optim.compress_updates)",
+             lambda s: jaxcomm.optim.compress_updates(optax.adamw(s.lr), jaxcomm.sign(),
+                                                      strategy="gather", seed=s.seed),
+             _updates_project),
   ] + _device_local_methods(8) + _data_parallel_schemes(4, 2)
 
 

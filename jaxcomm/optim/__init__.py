@@ -4,6 +4,7 @@ from jaxcomm.optim.accumulation import AccumulationState, accumulate_gradients
 from jaxcomm.optim.adaptive import (AdaptiveState, Controller, adaptive_allreduce,
                                     bandwidth_controller, loss_controller, ratio_schedule)
 from jaxcomm.optim.bmuf import BlockMomentumState, block_momentum, bmuf
+from jaxcomm.optim.compress_updates import CompressUpdatesState, compress_updates
 from jaxcomm.optim.compressed_allreduce import CompressedAllReduceState, compressed_allreduce
 from jaxcomm.optim.dgc import DGCState, dgc
 from jaxcomm.optim.demo import DeMoState, demo
@@ -41,4 +42,5 @@ __all__ = [
     "sharded_init", "slow_momentum", "slowmo", "staleness", "state_specs", "to_device_local",
     "ZeroOneAdamState", "zero_one_adam",
     "DeMoState", "demo", "SparseLoCoSyncState", "sparseloco", "streaming_diloco",
+    "CompressUpdatesState", "compress_updates",
 ]
