@@ -20,9 +20,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from jaxcomm.collectives.axes import require_axes, require_varying
 from jaxcomm.compress.base import Compressor
-from jaxcomm.mesh_axes import manual_axes, vary, vary_tree
+from jaxcomm.mesh_axes import manual_axes, require_axes, require_varying, vary, vary_tree
 from jaxcomm.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm.topology import HOST_AXIS, LOCAL_AXIS
 
