@@ -1,8 +1,8 @@
 """gather_impl: all_gather vs the psum-built gather of byte payloads on this backend.
 
-Times ``jax.lax.all_gather`` and :func:`jaxcomm.collectives.strategies.psum_gather` of a uint8
+Times ``jax.lax.all_gather`` and :func:`jaxcomm._src.collectives.strategies.psum_gather` of a uint8
 payload over the ``host`` axis for several sizes, to choose
-``jaxcomm.collectives.strategies.PREFERRED_GATHER`` by measurement. In one process it
+``jaxcomm._src.collectives.strategies.PREFERRED_GATHER`` by measurement. In one process it
 simulates ``--hosts x --local`` CPU devices; under the launcher
 (``python -m jaxcomm.launch -n 2 --local-devices 1 -- python -m benchmarks.gather_impl``) the
 host axis crosses processes (gloo) and process 0 prints.
@@ -36,7 +36,7 @@ def main(argv=None) -> int:
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
 
-  from jaxcomm.collectives.strategies import psum_gather
+  from jaxcomm._src.collectives.strategies import psum_gather
   axes = ("host", "local")
   rows = []
   for size_kb in (int(s) for s in args.sizes_kb.split(",")):

@@ -3,7 +3,7 @@
 
 On the GPT of :mod:`benchmarks.hsdp_memory` (``--layers`` blocks of ``--width``) on a
 ``H x G`` mesh it compiles the forward and backward pass of the sharded loss (each leaf
-all-gathered over ``'local'`` inside the loss, :func:`jaxcomm.optim.hsdp.gather_params`) and
+all-gathered over ``'local'`` inside the loss, :func:`jaxcomm._src.optim.hsdp.gather_params`) and
 prints the compiled ``temp`` bytes, the number of all-gathers over the fast axis and the
 fast-axis bytes (:mod:`jaxcomm.accounting`) for
 
@@ -34,7 +34,7 @@ def _gradient_step(params, loss_fn, batch, mesh, remat: bool):
   """The jitted forward + backward of ``loss_fn`` on flat shards of ``params``."""
   import jax
   from jax.sharding import PartitionSpec as P
-  from jaxcomm.optim import hsdp
+  from jaxcomm._src.optim import hsdp
   shards, layout = hsdp.shard_params(params, mesh, "local", (None,) * len(
       jax.tree.leaves(params)))
 

@@ -25,8 +25,8 @@ import optax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm.optim.demo import (block_layout, dct, dct_basis, sparse_coefficients,  # noqa: E402
-                                to_blocks)
+from jaxcomm._src.optim.demo import (block_layout, dct, dct_basis, sparse_coefficients,  # noqa: E402
+                                     to_blocks)
 from benchmarks.scan.methods import REGISTRY, Method, Setting  # noqa: E402
 from benchmarks.scan.run import run  # noqa: E402
 from benchmarks.scan.tasks import BATCH, charlm  # noqa: E402

@@ -43,7 +43,7 @@ from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import jaxcomm  # noqa: E402
-from jaxcomm.parallel import moe_layer, route  # noqa: E402
+from jaxcomm._src.parallel import moe_layer, route  # noqa: E402
 from models import gpt, text  # noqa: E402
 from models.moe_lm import MoETransformerLM, make_train_step  # noqa: E402
 

@@ -38,7 +38,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxcomm.optim.adaptive import AdaptiveState
+from jaxcomm._src.optim.adaptive import AdaptiveState
 
 AXES = ("host", "local")
 LINKS = {"1 Gbit/s": 125e6, "10 Mbit/s": 1.25e6}  # bytes per second
@@ -119,8 +119,8 @@ def _task(name: str, steps: int, seed: int):
 
 def lowrank(args) -> None:
   import jaxcomm
-  from jaxcomm.compress.gradzip import gradzip
-  from jaxcomm.compress.powersgd import to_matrix
+  from jaxcomm._src.compress.gradzip import gradzip
+  from jaxcomm._src.compress.powersgd import to_matrix
   task = _task(args.task, args.steps, args.seeds[0])
   grad = jax.jit(jax.grad(task.loss_fn))
   params, opt = task.params, optax.adamw(task.lr)
@@ -233,7 +233,7 @@ def gossip(args) -> None:
 
 def adaptive(args) -> None:
   import jaxcomm
-  from jaxcomm.optim import adaptive as ad
+  from jaxcomm._src.optim import adaptive as ad
   densities = (0.1, 0.03, 0.01)
   ladder = tuple(jaxcomm.topk(d) for d in densities)
   print(f"\n## Adaptive compression ({args.steps} steps, 2x4 mesh, AdamW, top-k ladder "

@@ -29,8 +29,8 @@ from jaxcomm.optim import (compressed_allreduce, demo, dgc, diloco, local_sgd, o
                            powersgd_allreduce, skip_nonfinite, sparseloco, streaming_diloco,
                            zero_one_adam)
 from jaxcomm.planner import plan
-from jaxcomm.topology import make_mesh
-from jaxcomm.train import Trainer, TrainState, data_parallel
+from jaxcomm._src.topology import make_mesh
+from jaxcomm._src.train import Trainer, TrainState, data_parallel
 
 __version__ = "0.1.0"
 

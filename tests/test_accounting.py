@@ -197,7 +197,7 @@ def test_dgc_warmup_reports_its_steady_state():
 
 
 def test_onebit_adam_reports_its_compressed_steady_state():
-  from jaxcomm.optim.onebit_adam import adam_setup
+  from jaxcomm._src.optim.onebit_adam import adam_setup
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
   steady, warmup = _steady_and_warmup(jaxcomm.onebit_adam(1e-3, warmup_steps=10), params, mesh)

@@ -8,7 +8,7 @@ import pytest
 
 import jaxcomm
 from jaxcomm import compress
-from jaxcomm.keys import as_key, check_seed, is_key, nth_key, raw_key
+from jaxcomm._src.keys import as_key, check_seed, is_key, nth_key, raw_key
 from update_helpers import update_fn
 
 # The compressors that read the key of encode (stochastic rounding, private random indices);

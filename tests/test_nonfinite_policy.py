@@ -1,4 +1,4 @@
-"""jaxcomm.nonfinite: the one home of detection, agreement and keeping state."""
+"""jaxcomm._src.nonfinite: the one home of detection, agreement and keeping state."""
 
 import chex
 import jax
@@ -6,8 +6,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomm.nonfinite import (any_nonfinite, check_nonfinite_mode, has_nonfinite, keep_finite,
-                               keep_if, zero_if, zero_nonfinite)
+from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, has_nonfinite, keep_finite,
+                                    keep_if, zero_if, zero_nonfinite)
 
 
 def test_has_nonfinite_over_a_tree():

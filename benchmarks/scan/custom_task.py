@@ -100,7 +100,7 @@ def _pytree_params(params, loss_fn, spec: str):
   """``(pure-dict params, loss_fn(params, batch))`` from an ``nnx.Module`` or a pytree."""
   from flax import nnx
 
-  from jaxcomm.train import split_params
+  from jaxcomm._src.train import split_params
   if isinstance(params, nnx.Module):
     graphdef, state = split_params(params)
     user_loss = loss_fn

@@ -166,7 +166,7 @@ def topk_payload_check(row: dict, task, fraction: float) -> tuple[float, int]:
   Returns:
     ``(measured, formula)``.
   """
-  from jaxcomm.compress.topk import topk_count
+  from jaxcomm._src.compress.topk import topk_count
   hosts, local = row["hosts"], row["local"]
   measured = sum(op.bytes_per_device for op in row["report"].collectives
                  if op.kind == "all-gather" and op.axes == ("host",))

@@ -373,7 +373,7 @@ for _method in _entries():
 def _demo_project(setting, shapes, hosts, local, *, chunk=64, topk=32):
   """DeMo: per leaf, a reduce-scatter of the gradient blocks and an all-gather of the int8
   signs inside the host; the all-gather of ``c k`` (float32, uint16) pairs across hosts."""
-  from jaxcomm.optim.demo import block_layout
+  from jaxcomm._src.optim.demo import block_layout
   traffic = NO_TRAFFIC
   for shape in shapes:
     layout = block_layout(tuple(shape), chunk, local)
@@ -390,7 +390,7 @@ def _sparseloco_project(period, density, bits, chunk):
   """SparseLoCo: the inner steps' fp32 gradient mean inside the host every step; per outer
   step a reduce-scatter and an all-gather inside the host and the all-gather of the sparse
   2-bit payloads across hosts, divided by ``period``."""
-  from jaxcomm.optim.sparseloco import payload_bytes
+  from jaxcomm._src.optim.sparseloco import payload_bytes
 
   def project(setting, shapes, hosts, local):
     inner, outer = NO_TRAFFIC, NO_TRAFFIC

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 from jaxcomm import costmodel
 from jaxcomm.accounting import NO_COST, ring_cost
-from jaxcomm.compress.powersgd import compression_rate, matrix_shape
+from jaxcomm._src.compress.powersgd import compression_rate, matrix_shape
 from jaxcomm.costmodel import Traffic
 
 Shape = tuple[int, ...]

@@ -217,7 +217,7 @@ def test_psum_built_gather_gives_the_same_result_and_twice_the_bytes(strategy):
 
 def test_psum_gather_round_trips_every_payload_dtype():
   mesh = jaxcomm.make_mesh(hosts=8, local=1)
-  from jaxcomm.collectives.strategies import psum_gather
+  from jaxcomm._src.collectives.strategies import psum_gather
 
   @jax.jit
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(("host", "local")), out_specs=P(),

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcomm.compress import error_feedback, payload_nbytes
-from jaxcomm.compress.powersgd import matrix_shape
+from jaxcomm._src.compress.powersgd import matrix_shape
 from test_catalog import CATALOG, NAMES
 
 SETTINGS = settings(max_examples=2, deadline=None, derandomize=True, database=None)

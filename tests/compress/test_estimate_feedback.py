@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from jaxcomm.compress import quantize, sign, topk
-from jaxcomm.compress.error_feedback import estimate_feedback
+from jaxcomm._src.compress.error_feedback import estimate_feedback
 
 from test_catalog import CATALOG, NAMES
 

@@ -13,9 +13,9 @@ import pytest
 
 from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, threshold, topk,
                               unpack_bits)
-from jaxcomm.compress.hashing import hash_bits, hash_uniform, stochastic_round
-from jaxcomm.compress.randomk import random_indices
-from jaxcomm.compress.select import MIN_FAST_SIZE, compact, largest_k
+from jaxcomm._src.compress.hashing import hash_bits, hash_uniform, stochastic_round
+from jaxcomm._src.compress.randomk import random_indices
+from jaxcomm._src.compress.select import MIN_FAST_SIZE, compact, largest_k
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcomm.compress import payload_nbytes, sum_payloads
-from jaxcomm.compress.gradzip import GradZipState, gradzip, random_basis
+from jaxcomm._src.compress.gradzip import GradZipState, gradzip, random_basis
 
 
 def _encode(compressor, x, state=None):

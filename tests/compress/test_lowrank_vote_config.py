@@ -9,7 +9,7 @@ import pytest
 from jaxcomm.compress import (adaptive_threshold, back_project, cast, compose, count_sketch,
                               majority_vote, orthogonalize, powersgd, project, qsgd, quantize,
                               randomk, sign_vote, terngrad, threshold, topk)
-from jaxcomm.compress.powersgd import from_matrix, initial_q, to_matrix
+from jaxcomm._src.compress.powersgd import from_matrix, initial_q, to_matrix
 
 
 def test_orthogonalize_gives_orthonormal_columns_and_survives_rank_deficiency():

@@ -13,8 +13,8 @@ from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, e
                               identity, natural, pack_bits, packed_nbytes, payload_nbytes,
                               psum_payload, qsgd, quantize, randomk, shared_quantize, sign,
                               sum_payloads, terngrad, threshold, topk, unpack_bits)
-from jaxcomm.collectives.strategies import over_axis
-from jaxcomm.compress.base import AxisContext, combining
+from jaxcomm._src.collectives.strategies import over_axis
+from jaxcomm._src.compress.base import AxisContext, combining
 
 SIZE = 16
 SAMPLES = 4000

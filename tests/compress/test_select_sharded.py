@@ -8,7 +8,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.compress.select import MIN_FAST_SIZE
+from jaxcomm._src.compress.select import MIN_FAST_SIZE
 
 AXES = ("host", "local")
 

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.optim.local_training import local_training_step, to_device_local
+from jaxcomm._src.optim.local_training import local_training_step, to_device_local
 from models.data import teacher_classification
 from models.mlp import classification_loss, init_mlp
 
@@ -67,7 +67,7 @@ def train(tx, steps, *, local=False, params=None, start=0, state=None):
 def consensus(params, local):
   """The model every device agrees on: the device mean for device-local parameters."""
   _, _, _, mesh = problem()
-  return jaxcomm.optim.local_training.device_mean(params, mesh) if local else params
+  return jaxcomm._src.optim.local_training.device_mean(params, mesh) if local else params
 
 
 def sync_sgd(learning_rate, steps):

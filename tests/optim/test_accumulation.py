@@ -5,7 +5,7 @@ import jax
 import optax
 
 import jaxcomm
-from jaxcomm.optim.accumulation import accumulate_gradients
+from jaxcomm._src.optim.accumulation import accumulate_gradients
 from lowcomm_helpers import DEVICES, train
 
 K = 4

@@ -10,8 +10,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.optim.adaptive import (adaptive_allreduce, bandwidth_controller, loss_controller,
-                                    ratio_schedule)
+from jaxcomm._src.optim.adaptive import (adaptive_allreduce, bandwidth_controller, loss_controller,
+                                         ratio_schedule)
 
 AXES = ("host", "local")
 PARAMS = {"w": jnp.zeros((6, 8)), "b": jnp.zeros((8,))}

@@ -6,8 +6,8 @@ import numpy as np
 import optax
 import pytest
 
-from jaxcomm.optim.bmuf import block_momentum, bmuf
-from jaxcomm.optim.local_sgd import local_sgd
+from jaxcomm._src.optim.bmuf import block_momentum, bmuf
+from jaxcomm._src.optim.local_sgd import local_sgd
 
 from lowcomm_helpers import eval_loss, train
 

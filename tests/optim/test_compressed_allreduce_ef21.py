@@ -8,7 +8,7 @@ import pytest
 
 import jaxcomm
 from jaxcomm.collectives import TwoPhaseState
-from jaxcomm.compress.error_feedback import EstimateFeedbackState
+from jaxcomm._src.compress.error_feedback import EstimateFeedbackState
 from update_helpers import update_fn
 
 PARAMS = {"b": jnp.zeros((5,)), "w": jnp.zeros((6, 7))}
@@ -126,7 +126,7 @@ def test_bad_feedback_raises_at_construction(kwargs, match):
 
 
 def test_contraction_probe_matches_the_closed_forms():
-  from jaxcomm.optim.compressed_allreduce import contraction
+  from jaxcomm._src.optim.compressed_allreduce import contraction
   assert contraction(jaxcomm.sign()) == pytest.approx(2 / np.pi, abs=0.02)
   assert contraction(jaxcomm.identity()) == pytest.approx(1.0)
   assert 0.01 < contraction(jaxcomm.topk(0.01)) < 0.12  # k/d plus the tail's energy share

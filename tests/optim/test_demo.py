@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import jaxcomm
-from jaxcomm.optim.demo import (block_layout, dct, dct_basis, demo, from_blocks,
-                                sparse_coefficients, to_blocks)
+from jaxcomm._src.optim.demo import (block_layout, dct, dct_basis, demo, from_blocks,
+                                     sparse_coefficients, to_blocks)
 from lowcomm_helpers import eval_loss, sync_sgd, train
 from update_helpers import apply_fn, measure_update, update_fn
 

@@ -10,8 +10,8 @@ import pytest
 
 import jaxcomm
 from jaxcomm.collectives import Dense, Gather, TwoPhase
-from jaxcomm.compress.topk import topk_count
-from jaxcomm.optim.dgc import dgc
+from jaxcomm._src.compress.topk import topk_count
+from jaxcomm._src.optim.dgc import dgc
 from lowcomm_helpers import (DEVICES, batch, eval_loss, numpy_roundtrip, problem, sync_sgd,
                              train)
 from update_helpers import measure_update

@@ -11,8 +11,8 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.optim.gossip import gossip
-from jaxcomm.optim.local_training import consensus_distance
+from jaxcomm._src.optim.gossip import gossip
+from jaxcomm._src.optim.local_training import consensus_distance
 from lowcomm_helpers import (AXES, batch, consensus, eval_loss, numpy_roundtrip, problem,
                              sync_sgd, train)
 

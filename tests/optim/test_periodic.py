@@ -9,10 +9,10 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm.optim.diloco import diloco
-from jaxcomm.optim.fedavg import fedavg, fedprox
-from jaxcomm.optim.local_sgd import local_sgd
-from jaxcomm.optim.slowmo import slowmo
+from jaxcomm._src.optim.diloco import diloco
+from jaxcomm._src.optim.fedavg import fedavg, fedprox
+from jaxcomm._src.optim.local_sgd import local_sgd
+from jaxcomm._src.optim.slowmo import slowmo
 from jax.sharding import PartitionSpec as P
 
 from lowcomm_helpers import (AXES, batch, consensus, eval_loss, numpy_roundtrip, problem,

@@ -11,11 +11,11 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.optim.diloco import diloco
-from jaxcomm.optim.local_training import to_device_local
-from jaxcomm.optim.sparseloco import (chunk_layout, decode, encode,
-                                      fast_mean, payload_bytes, sparse_sync,
-                                      sparseloco)
+from jaxcomm._src.optim.diloco import diloco
+from jaxcomm._src.optim.local_training import to_device_local
+from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, encode,
+                                           fast_mean, payload_bytes, sparse_sync,
+                                           sparseloco)
 from lowcomm_helpers import AXES, eval_loss, train
 from test_branches import branch_selectors, traced_step
 from update_helpers import apply_fn, update_fn

@@ -8,7 +8,7 @@ import optax
 import pytest
 
 import jaxcomm
-from jaxcomm.optim.staleness import staleness
+from jaxcomm._src.optim.staleness import staleness
 from lowcomm_helpers import batch, eval_loss, numpy_roundtrip, problem, sync_sgd, train
 
 A = jnp.array([[2.0, 0.5], [0.5, 1.0], [0.3, -0.7]])

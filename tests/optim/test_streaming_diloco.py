@@ -8,9 +8,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.compress.packing import packed_nbytes
-from jaxcomm.optim.diloco import diloco, streaming_diloco
-from jaxcomm.optim.local_training import to_device_local
+from jaxcomm._src.compress.packing import packed_nbytes
+from jaxcomm._src.optim.diloco import diloco, streaming_diloco
+from jaxcomm._src.optim.local_training import to_device_local
 from lowcomm_helpers import AXES, eval_loss, sync_sgd, train
 from test_branches import branch_selectors, traced_step
 from update_helpers import apply_fn

@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.optim.zero_one_adam import zero_one_adam
+from jaxcomm._src.optim.zero_one_adam import zero_one_adam
 
 from lowcomm_helpers import (AXES, DEVICES, batch, consensus, eval_loss, numpy_roundtrip,
                              problem, train)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import strategies as st
 
-from jaxcomm.parallel import blocks
+from jaxcomm._src.parallel import blocks
 
 
 def _qkv(seq_q, seq_k, heads=4, kv_heads=2, dim=8, dtype=jnp.float32, seed=0):

@@ -10,9 +10,9 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm import accounting
 from jaxcomm.parallel import moe_layer, moe_reference
-from jaxcomm.parallel.moe import capacity, host_rows
+from jaxcomm._src.parallel.moe import capacity, host_rows
 from jaxcomm.parallel import route as route_eagerly
-from jaxcomm.topology import make_mesh
+from jaxcomm._src.topology import make_mesh
 
 EXPERTS, D_MODEL, HIDDEN, TOP_K, FACTOR, TOKENS = 16, 8, 16, 2, 1.0, 24
 ALL = ("host", "local")

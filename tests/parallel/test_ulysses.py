@@ -9,7 +9,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.parallel import from_layout, hybrid_attention, to_layout, ulysses_attention
-from jaxcomm.topology import make_mesh
+from jaxcomm._src.topology import make_mesh
 
 
 def _inputs(seq, heads, kv_heads, dim=8, batch=2, seed=1):

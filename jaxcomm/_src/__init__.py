@@ -1,0 +1,1 @@
+"""jaxcomm's implementation. Private: import the public modules of :mod:`jaxcomm`."""

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`jaxcomm.collectives` (private: import that module)."""

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`jaxcomm.compress` (private: import that module)."""

@@ -1,0 +1,148 @@
+"""Error feedback: what a compressor did not send is kept and added to the next input."""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from jaxcomm._src.compress.base import Compressor
+from jaxcomm._src.nonfinite import has_nonfinite, keep_if
+from jaxcomm._src.validation import check_float_input
+
+
+def _check_compressor(compressor) -> None:
+  if not isinstance(compressor, Compressor):
+    raise TypeError(f"compressor must be a jaxcomm.Compressor, got {type(compressor).__name__}.")
+
+
+def _wrapping(compressor: Compressor, init, encode, prefix: str) -> Compressor:
+  """A compressor with its own ``init``/``encode`` that sends what ``compressor`` sends: its
+  decode, bytes, linearity and matrix method; never unbiased (the state carries past
+  inputs)."""
+  return Compressor(init=init, encode=encode, decode=compressor.decode,
+                    wire_bytes=compressor.wire_bytes, linear=compressor.linear,
+                    unbiased=False, name=f"{prefix}({compressor.name})",
+                    matrix_method=compressor.matrix_method)
+
+
+class ErrorFeedbackState(NamedTuple):
+  """State of :func:`error_feedback`.
+
+  Attributes:
+    residual: float32, the input's shape: input mass not yet sent.
+    inner: the wrapped compressor's own state.
+  """
+  residual: jax.Array
+  inner: Any
+
+
+def error_feedback(compressor: Compressor) -> Compressor:
+  """Wraps ``compressor`` with error feedback (memory).
+
+  Each call compresses ``a = x + e`` and keeps the part not sent, ``e' = a - decode(payload)``,
+  computed against the decoded payload, i.e. the values that really crossed the wire (after any
+  cast of the values to a narrower dtype). So ``decode(payload) + e' == x + e`` up to the
+  rounding of one float32 subtraction, and over ``T`` steps
+  ``sum_t decode(payload_t) == sum_t x_t - e_T``: nothing is lost, only delayed.
+
+  A non-finite input (any NaN or Inf) leaves the residual and the floating-point leaves of
+  the inner state untouched: they are never overwritten with
+  NaN or Inf. Integer leaves of the inner state (PRNG keys, counters) advance anyway, because
+  compressors with shared randomness (shared random-k) must stay in step with the other
+  devices. The payload then carries whatever the compressor made of the input, and the
+  caller decides (ideally with a max over all devices) whether to skip the step.
+
+  Linear when ``compressor`` is: each device encodes its own ``x + e``, and a ``psum`` of the
+  payloads is the payload of ``sum_devices (x + e)``; private residuals do not change that.
+  Never unbiased (the residual carries past inputs). Bytes: those of ``compressor``.
+
+  Args:
+    compressor: any :class:`~jaxcomm.Compressor`.
+
+  Returns:
+    A :class:`~jaxcomm.Compressor` whose state is :class:`ErrorFeedbackState`.
+
+  References:
+    Seide et al. 2014; Stich, Cordonnier & Jaggi, "Sparsified SGD with Memory", NeurIPS 2018;
+    Karimireddy et al., "Error Feedback Fixes SignSGD and other Gradient Compression
+    Schemes", ICML 2019.
+  """
+  _check_compressor(compressor)
+
+  def init(shape, dtype) -> ErrorFeedbackState:
+    return ErrorFeedbackState(residual=jnp.zeros(shape, jnp.float32),
+                              inner=compressor.init(shape, dtype))
+
+  def encode(x: jax.Array, state: ErrorFeedbackState, key: jax.Array):
+    check_float_input(x)
+    corrected = x.astype(jnp.float32) + state.residual
+    payload, inner = compressor.encode(corrected, state.inner, key)
+    unsent = corrected - compressor.decode(payload, x.shape)
+    # Checking the residual too catches a compressor that overflowed on finite input.
+    bad = has_nonfinite((corrected, unsent))
+    return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
+                            floats_only=True)
+
+  return _wrapping(compressor, init, encode, "ef")
+
+
+class EstimateFeedbackState(NamedTuple):
+  """State of :func:`estimate_feedback` on one device.
+
+  Attributes:
+    estimate: float32, the input's shape: this device's estimate ``g_hat_i`` of its input,
+      the sum of every delta it has sent (decoded).
+    inner: the wrapped compressor's own state.
+  """
+  estimate: jax.Array
+  inner: Any
+
+
+def estimate_feedback(compressor: Compressor) -> Compressor:
+  """Wraps ``compressor`` with EF21: send the compressed change of a kept estimate.
+
+  Each device keeps an estimate ``g_hat`` of its own input and sends ``C(x - g_hat)``; after
+  the call ``g_hat' = g_hat + decode(payload)``. The payload decodes to the *change* of the
+  estimate, so a receiver that adds the decoded payloads of every device to its own copy of
+  the mean estimate holds exactly the mean of the devices' estimates
+  (:func:`jaxcomm.compressed_allreduce` does this, on every device). For a contractive
+  compressor (``||C(v) - v||^2 <= (1 - delta) ||v||^2``) the estimate's error contracts every
+  step, ``||g_hat' - x||^2 <= (1 - delta) ||g_hat - x||^2``: unlike :func:`error_feedback`,
+  no unsent mass accumulates to be released later in a burst, which an optimizer's momentum
+  after the mean would amplify.
+
+  A non-finite input leaves the estimate and the floating-point leaves of the inner state
+  untouched, as :func:`error_feedback` does.
+
+  Linear when ``compressor`` is (the payloads of the devices' deltas sum to the payload of
+  the summed delta). Never unbiased. Bytes: those of ``compressor``.
+
+  Args:
+    compressor: any :class:`~jaxcomm.Compressor`.
+
+  Returns:
+    A :class:`~jaxcomm.Compressor` whose state is :class:`EstimateFeedbackState` and whose
+    ``decode`` returns the change of the estimate.
+
+  References:
+    Richtárik, Sokolov & Fatkhullin, "EF21: A New, Simpler, Theoretically Better, and
+    Practically Faster Error Feedback", NeurIPS 2021.
+  """
+  _check_compressor(compressor)
+
+  def init(shape, dtype) -> EstimateFeedbackState:
+    return EstimateFeedbackState(estimate=jnp.zeros(shape, jnp.float32),
+                                 inner=compressor.init(shape, dtype))
+
+  def encode(x: jax.Array, state: EstimateFeedbackState, key: jax.Array):
+    check_float_input(x)
+    change = x.astype(jnp.float32) - state.estimate
+    payload, inner = compressor.encode(change, state.inner, key)
+    estimate = state.estimate + compressor.decode(payload, x.shape)
+    bad = has_nonfinite((change, estimate))
+    return payload, keep_if(bad, state, EstimateFeedbackState(estimate=estimate, inner=inner),
+                            floats_only=True)
+
+  return _wrapping(compressor, init, encode, "ef21")

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`jaxcomm.optim` (private: import that module)."""

@@ -1,0 +1,365 @@
+"""``compressed_allreduce``: the topology-aware gradient mean as an optax transformation."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from jaxcomm._src.collectives import buckets as bucketing
+from jaxcomm._src.mesh_axes import require_axes, require_varying
+from jaxcomm._src.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
+                                                   init_states, level)
+from jaxcomm._src.collectives.strategies import Strategy, TwoPhaseState, as_strategy
+from jaxcomm._src.compress.base import Compressor
+from jaxcomm._src.validation import check_dtype, check_float_tree
+from jaxcomm._src.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
+                                                  estimate_feedback)
+from jaxcomm._src.compress.policy import CompressionPolicy
+from jaxcomm._src.keys import as_key, check_seed
+from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_finite, keep_if,
+                                    zero_if, zero_nonfinite)
+from jaxcomm._src.optim.powersgd import matrix_allreduce
+from jaxcomm._src.topology import HOST_AXIS, LOCAL_AXIS
+
+FEEDBACKS = ("estimate", "residual", "none")
+RESIDUAL_DTYPES = (jnp.float32, jnp.bfloat16)
+
+
+class CompressedAllReduceState(NamedTuple):
+  """State of :func:`compressed_allreduce`.
+
+  Attributes:
+    estimates: one entry per bucket: with ``feedback='estimate'`` (EF21) on a slow axis of more
+      than one device, float32 of the bucket's flat size: the mean of every device's estimate,
+      which the update returns; else ``()``. Replicated.
+    level_states: one entry per bucket (per gradient leaf without bucketing, in
+      ``jax.tree.leaves`` order), each a tuple with one state per level (``()`` for dense
+      levels), e.g. ``level_states[i][1].residual`` is the error-feedback residual of leaf
+      ``i``'s slow-axis shard. Device-local (varying over the mesh axes): inside ``shard_map``
+      a leaf of shape ``(n,)`` is this device's; outside it is the concatenation over devices,
+      sharded along its first dimension. :func:`jaxcomm.optim.sharded_init` builds these specs.
+    key: PRNG key, replicated; split every step.
+    count: int32 step counter, replicated; a skipped step does not count.
+    skipped_steps: int32, replicated: steps skipped by ``nonfinite='skip'`` because some
+      device's gradients held a NaN or Inf.
+  """
+  estimates: tuple
+  level_states: tuple
+  key: jax.Array
+  count: jax.Array
+  skipped_steps: jax.Array
+
+
+def _check_two_level_axes(fast_axis, slow_axis) -> None:
+  for name, axis in (("fast_axis", fast_axis), ("slow_axis", slow_axis)):
+    if not isinstance(axis, str) or not axis:
+      raise TypeError(f"{name} must be a non-empty mesh axis name, got {axis!r}.")
+  if fast_axis == slow_axis:
+    raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
+
+
+# EF21 refreshes every coordinate's estimate only as fast as the compressor contracts: a
+# sparsifier's estimates go stale for about 1/delta steps, which a momentum after the mean
+# turns into divergence (top-1%, delta 0.08, 2x4, SGD momentum 0.9: docs/quality.md), while
+# scaled sign (delta 0.64) needs the estimates to converge at all. Classic residuals, which
+# conserve the mass, stay the default below this contraction; 0.5 also keeps top-10% (0.44),
+# not measured with estimates, on residuals.
+ESTIMATE_MIN_CONTRACTION = 0.5
+
+
+def contraction(compressor: Compressor, size: int = 4096) -> float:
+  """``delta = 1 - ||C(x) - x||^2 / ||x||^2`` on a fixed standard normal ``x`` of ``size``
+  elements: 2/pi for scaled sign, about 1 for 8-bit quantization, k/d plus the tail's share
+  for top-k (0.09 for 1%); negative for unbiased compressors whose variance exceeds
+  ``||x||^2``."""
+  with jax.ensure_compile_time_eval():
+    x = jax.random.normal(jax.random.PRNGKey(0), (size,))
+    payload, _ = compressor.encode(x, compressor.init((size,), jnp.float32),
+                                   jax.random.PRNGKey(1))
+    error = compressor.decode(payload, (size,)) - x
+    return float(1.0 - jnp.sum(error ** 2) / jnp.sum(x ** 2))
+
+
+def _feedback_for(feedback: str, compressor: Compressor | None) -> str:
+  """``'auto'`` resolved for one compressor: ``'estimate'`` for a biased compressor of
+  flattened shards that contracts by at least :data:`ESTIMATE_MIN_CONTRACTION`, else
+  ``'residual'`` (matrix compressors keep their collective's residuals; an unbiased one may
+  then use two-phase: see
+  :func:`~jaxcomm.collectives.strategies.resolve`)."""
+  if feedback != "auto" or compressor is None:
+    return feedback
+  if (compressor.unbiased or compressor.needs_matrix
+      or contraction(compressor) < ESTIMATE_MIN_CONTRACTION):
+    return "residual"
+  return "estimate"
+
+
+def _check_feedback(feedback, strategy, residual_dtype) -> str:
+  """The feedback mode named by ``feedback``.
+
+  ``True`` is ``'auto'`` (resolved per compressor by :func:`_feedback_for`) except where
+  estimates cannot be kept exactly, which keep ``'residual'``: the ``two_phase`` strategy
+  (its own worker and server residuals) and a ``bfloat16`` ``residual_dtype``. ``False`` is
+  ``'none'``.
+  """
+  own_residuals = strategy is not None and strategy.own_residuals
+  if feedback is True:
+    keeps_residuals = own_residuals or residual_dtype != jnp.float32
+    return "residual" if keeps_residuals else "auto"
+  if feedback is False:
+    feedback = "none"
+  if feedback not in FEEDBACKS:
+    raise ValueError(f"feedback must be one of {', '.join(FEEDBACKS)} or a bool; got "
+                     f"{feedback!r}.")
+  if feedback == "estimate" and own_residuals:
+    raise ValueError("strategy='two_phase' keeps its own worker and server residuals: use it "
+                     "with feedback='residual' (or 'none'), or use feedback='estimate' with "
+                     "'gather' or 'linear'.")
+  if feedback == "estimate" and residual_dtype != jnp.float32:
+    raise ValueError(f"residual_dtype={jnp.dtype(residual_dtype).name} needs "
+                     "feedback='residual': the EF21 estimates stay float32 so that the "
+                     "replicated estimate is exactly the mean of the devices' estimates.")
+  return feedback
+
+
+def _leaf_topologies(compressor, strategy, feedback, levels, fast_axis, slow_axis):
+  """``topologies(tree) -> (distinct topologies, topology index per leaf)``, validated now.
+
+  ``feedback`` is the mode from :func:`_check_feedback`, or ``None`` when the caller left
+  ``feedback`` at its default (the only setting allowed with ``levels``).
+  """
+  if levels is not None:
+    if compressor is not None or strategy is not None or feedback is not None:
+      raise ValueError("Pass either levels or compressor/strategy/feedback, not both: each "
+                       "Level carries its own compressor, strategy and feedback.")
+    fixed = check_levels(levels)
+    return (fixed,), lambda tree: [0] * len(jax.tree.leaves(tree))
+  _check_two_level_axes(fast_axis, slow_axis)
+
+  def make(choice):
+    mode = _feedback_for(feedback, choice)
+    if mode == "estimate":
+      choice = estimate_feedback(choice)
+    return (level(fast_axis),
+            level(slow_axis, choice, strategy=strategy, feedback=mode == "residual"))
+
+  if not isinstance(compressor, CompressionPolicy):
+    return (make(compressor),), lambda tree: [0] * len(jax.tree.leaves(tree))
+  choices = [compressor.default] + [rule.compressor for rule in compressor.rules] + [None]
+  distinct = list(dict.fromkeys(id(c) for c in choices))
+  by_id = {id(c): c for c in choices}
+  topologies = tuple(make(by_id[i]) for i in distinct)
+  return topologies, lambda tree: [distinct.index(id(c)) for c in compressor.assign(tree)]
+
+
+def _estimated(levels) -> bool:
+  """Whether ``levels`` returns the change of an EF21 estimate rather than the mean itself:
+  some level compresses with :func:`estimate_feedback` over more than one device."""
+  return any(lv.compressor is not None and jax.lax.axis_size(lv.axis) > 1
+             and isinstance(lv.compressor.init((1,), jnp.float32), EstimateFeedbackState)
+             for lv in levels)
+
+
+def _is_residual_node(node) -> bool:
+  return isinstance(node, (ErrorFeedbackState, TwoPhaseState))
+
+
+def _cast_residuals(level_states, dtype):
+  """``level_states`` with every error-feedback residual (worker and server) cast to ``dtype``."""
+  def cast(node):
+    if isinstance(node, ErrorFeedbackState):
+      return node._replace(residual=node.residual.astype(dtype))
+    if isinstance(node, TwoPhaseState):
+      return TwoPhaseState(*(residual.astype(dtype) for residual in node))
+    return node
+  return jax.tree.map(cast, level_states, is_leaf=_is_residual_node)
+
+
+def _check_arguments(compressor, feedback, nonfinite) -> None:
+  """Raises naming the argument of :func:`compressed_allreduce` that has a wrong type or value."""
+  if compressor is not None and not isinstance(compressor, (Compressor, CompressionPolicy)):
+    raise TypeError("compressor must be a jaxcomm.Compressor, a jaxcomm.policy(...) or None, "
+                    f"got {type(compressor).__name__}.")
+  if not isinstance(feedback, (bool, str)):
+    raise TypeError(f"feedback must be a bool or one of {', '.join(FEEDBACKS)}, got "
+                    f"{feedback!r}.")
+  check_nonfinite_mode(nonfinite)
+
+
+def _reduce_bucket(packed: jax.Array, levels, level_states, estimate, key: jax.Array):
+  """``(mean, new level states, new estimate)`` of one bucket.
+
+  With an EF21 ``estimate`` the levels return the summed change of the devices' estimates
+  (float32, so that the replicated estimate stays exactly their mean), and the mean is the
+  new estimate.
+  """
+  if not isinstance(estimate, jax.Array):
+    mean, level_states = hierarchical_allreduce(packed, levels, level_states, key)
+    return mean, level_states, estimate
+  change, level_states = hierarchical_allreduce(packed.astype(jnp.float32), levels,
+                                                level_states, key)
+  estimate = estimate + change
+  return estimate.astype(packed.dtype), level_states, estimate
+
+
+def compressed_allreduce(
+    compressor: Compressor | None = None,
+    *,
+    strategy: str | Strategy | None = None,
+    feedback: bool | str = True,
+    levels: Sequence[Level] | None = None,
+    bucket_bytes: int | None = None,
+    fast_axis: str = LOCAL_AXIS,
+    slow_axis: str = HOST_AXIS,
+    seed: int | jax.Array = 0,
+    nonfinite: str = "skip",
+    residual_dtype: Any = jnp.float32,
+) -> optax.GradientTransformation:
+  """Averages per-device gradients: full precision inside a host, compressed across hosts.
+
+  Place it first in an ``optax.chain``; the transformations after it see the global mean
+  gradient, identical on every device. Both ``init`` and ``update`` run inside
+  ``jax.shard_map`` over a mesh with the topology's axes. The state is partly device-local:
+  create it with :func:`jaxcomm.optim.sharded_init`, which also returns the ``PartitionSpec`` pytree
+  to use for it in the train step's ``in_specs``/``out_specs``.
+
+  Bytes per device and step for each bucket of ``D`` bytes on the default two levels
+  (``G`` devices per host, ``H`` hosts, payload ``c`` for the bucket's ``1/G`` shard):
+  ``2(G-1)/G D`` over the fast axis; over the slow axis ``(H-1) c`` (gather), about ``2c``
+  (two-phase) or ``2(H-1)/H c`` (linear). See :mod:`jaxcomm.collectives.strategies`.
+
+  Args:
+    compressor: compressor for the slow axis, e.g. ``jaxcomm.topk(0.01)``; ``None`` for full
+      precision everywhere; or a :func:`jaxcomm.policy` choosing one per leaf (leaves with
+      the same choice share buckets). A compressor that needs a matrix
+      (``jaxcomm.powersgd(r)``) runs PowerSGD's two-round collective on each leaf's matrix
+      (:func:`jaxcomm.powersgd_allreduce` and its state; no strategy, buckets or bf16
+      residuals).
+    strategy: how the slow axis sums payloads: a strategy value of
+      :mod:`jaxcomm.collectives` (``Linear()``, ``Gather()``, ``TwoPhase()``, ``Dense()``) or
+      its name (``'linear'``, ``'gather'``, ``'two_phase'``, ``'dense'``), or ``None`` to
+      choose from the compressor's facts and the axis size
+      (:func:`~jaxcomm.collectives.resolve`).
+    feedback: how what a compressor did not send is carried over. ``'estimate'`` (EF21):
+      every device keeps an estimate of its shard and sends the compressed change of it;
+      every device keeps the mean of the estimates (one float32 copy of the gradient,
+      replicated) and returns it, so nothing unsent is released late in a burst, which a
+      momentum after the mean amplifies into divergence (docs/quality.md). ``'residual'``:
+      classic error feedback, the unsent rest added to the next input (with ``two_phase``,
+      worker and server residuals). ``'none'`` (``False``): nothing is carried over.
+      ``True`` (default): per compressor, ``'estimate'`` for a biased one whose
+      :func:`contraction` is at least :data:`ESTIMATE_MIN_CONTRACTION` (sign), else
+      ``'residual'`` (sparsifiers such as top-k, whose estimates would go stale; unbiased
+      compressors such as int8, which may then use ``two_phase``); ``'residual'`` always
+      with ``two_phase`` or a ``bfloat16`` ``residual_dtype``, where estimates cannot be
+      kept exactly. With
+      ``'linear'`` the estimates stay exact where decoding is linear too (every linear
+      compressor here but a count sketch of depth > 1, whose median decoding of the summed
+      sketch is not the sum of the devices' decodings).
+    levels: a full topology instead of ``compressor``/``strategy``/``feedback``: a sequence of
+      :func:`jaxcomm.collectives.level`, fastest first (e.g. chip, host, pod).
+    bucket_bytes: pack consecutive leaves of one dtype into flat buckets of at most this many
+      bytes, so each level issues one collective per bucket; ``None``: one per leaf.
+    fast_axis: the intra-host mesh axis name (two-level form).
+    slow_axis: the inter-host mesh axis name (two-level form).
+    seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the key
+      used by stochastic compressors; an int and either key made from it draw alike.
+    nonfinite: what a NaN or Inf in any device's gradients does to the step. All devices
+      ``'skip'`` (default): the devices agree with one 4-byte ``pmax`` over every mesh axis
+      (``2(N-1)/N * 4`` bytes per device for ``N`` devices), and if any saw one, every device
+      returns zero updates and the state unchanged except ``skipped_steps``. ``'zero'``:
+      non-finite entries are replaced by 0 before the reduction (no agreement needed).
+      ``'propagate'``: the mean carries them on to the next transformation. In every mode
+      residuals and other floating-point state never take a non-finite value: an entry that
+      would keeps its previous value.
+    residual_dtype: dtype the error-feedback residuals (worker and server) are kept in between
+      steps: ``float32`` (default) or ``bfloat16``, which halves their memory and rounds what
+      is carried over to 8 significant bits. They are widened to float32 for the update.
+      EF21 estimates are always float32 (``feedback='estimate'`` refuses ``bfloat16``).
+
+  Returns:
+    An ``optax.GradientTransformation``. ``update(grads, state, params=None)`` expects this
+    device's own gradients (varying over every axis: see :func:`jaxcomm.optim.local_grad`) and
+    returns their mean.
+
+  Example:
+    >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
+    ...                  optax.adamw(1e-3))  # doctest: +SKIP
+  """
+  _check_arguments(compressor, feedback, nonfinite)
+  seed = check_seed("seed", seed)
+  residual_dtype = check_dtype("residual_dtype", residual_dtype, RESIDUAL_DTYPES)
+  left_default = feedback is True
+  strategy = as_strategy(strategy)
+  feedback = _check_feedback(feedback, strategy, residual_dtype)
+  if isinstance(compressor, Compressor) and compressor.needs_matrix and levels is None:
+    _check_two_level_axes(fast_axis, slow_axis)
+    if feedback == "estimate":
+      raise ValueError(f"feedback='estimate' is not available for {compressor.name}, which "
+                       "compresses whole matrices: use 'residual' or 'none'.")
+    return matrix_allreduce(compressor, strategy=strategy, feedback=feedback != "none",
+                            bucket_bytes=bucket_bytes, residual_dtype=residual_dtype,
+                            nonfinite=nonfinite, fast_axis=fast_axis, slow_axis=slow_axis)
+  topologies, topology_of_leaves = _leaf_topologies(
+      compressor, strategy, None if left_default and levels is not None else feedback, levels,
+      fast_axis, slow_axis)
+  bucket_bytes = bucketing.check_bucket_bytes(bucket_bytes)
+  axes = tuple(lv.axis for lv in topologies[0])
+
+  def plan(tree):
+    """Buckets of leaves sharing a topology; ``bucket.group`` indexes ``topologies``."""
+    return bucketing.plan_buckets(jax.tree.leaves(tree), bucket_bytes, topology_of_leaves(tree))
+
+  def init(params) -> CompressedAllReduceState:
+    require_axes(axes, "compressed_allreduce.init")
+    check_float_tree(params, "params")
+    buckets = plan(params)
+    level_states = tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
+                         for bucket in buckets)
+    estimates = tuple(jnp.zeros((bucket.size,), jnp.float32)
+                      if _estimated(topologies[bucket.group]) else () for bucket in buckets)
+    return CompressedAllReduceState(
+        estimates=estimates,
+        level_states=_cast_residuals(level_states, residual_dtype),
+        key=as_key(seed),
+        count=jnp.zeros((), jnp.int32),
+        skipped_steps=jnp.zeros((), jnp.int32))
+
+  def update(grads, state: CompressedAllReduceState, params=None):
+    del params
+    require_axes(axes, "compressed_allreduce.update")
+    check_float_tree(grads, "grads")
+    require_varying(grads, axes, "compressed_allreduce.update")
+    key, step_key = jax.random.split(state.key)
+    leaves, treedef = jax.tree.flatten(grads)
+    if nonfinite == "zero":
+      leaves = zero_nonfinite(leaves)
+    means: list[Any] = [None] * len(leaves)
+    new_states, estimates = [], []
+    wide_states = _cast_residuals(state.level_states, jnp.float32)
+    for index, (bucket, level_states, estimate) in enumerate(
+        zip(plan(grads), wide_states, state.estimates)):
+      mean, level_states, estimate = _reduce_bucket(
+          bucketing.pack(leaves, bucket), topologies[bucket.group], level_states, estimate,
+          jax.random.fold_in(step_key, index))
+      for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
+        means[leaf_index] = leaf_mean
+      new_states.append(level_states)
+      estimates.append(estimate)
+    new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
+                             state.level_states)
+    new_state = CompressedAllReduceState(
+        estimates=keep_finite(tuple(estimates), state.estimates), level_states=new_states,
+        key=key, count=state.count + 1, skipped_steps=state.skipped_steps)
+    if nonfinite == "skip":
+      skip = any_nonfinite(leaves, axes)
+      new_state = keep_if(skip, state, new_state)._replace(
+          skipped_steps=state.skipped_steps + skip)
+      means = zero_if(skip, means)
+    return treedef.unflatten(means), new_state
+
+  return optax.GradientTransformation(init, update)

@@ -1,0 +1,1 @@
+"""The implementation of :mod:`jaxcomm.parallel` (private: import that module)."""
