@@ -201,7 +201,8 @@ def test_onebit_adam_reports_its_compressed_steady_state():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros(32)}
   steady, warmup = _steady_and_warmup(jaxcomm.onebit_adam(1e-3, warmup_steps=10), params, mesh)
-  *_, compressed_levels, dense_levels = adam_setup(0.9, 0.999, 1e-8, "local", "host")
+  *_, compressed_levels, dense_levels = adam_setup(0.9, 0.999, 1e-8, "local", "host",
+                                                  jaxcomm.collectives.TwoPhase())
   for levels, expected in ((compressed_levels, steady), (dense_levels, warmup)):
     reference = measure_update(jaxcomm.compressed_allreduce(levels=levels, nonfinite="propagate"),
                                params, mesh)
