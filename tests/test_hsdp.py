@@ -246,6 +246,17 @@ def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(nam
                               atol=1e-6)
 
 
+def _device_local_mean(tx, params, loss_fn, batches, mesh):
+  """The mean model of ``tx`` run with every device its own worker (the device-local path)."""
+  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
+  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
+  step = jaxcomm.optim.local_training_step(
+      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
+  for batch in batches:
+    local, opt_state, _ = step(local, opt_state, batch)
+  return jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+
+
 def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
   """SparseLoCo's hosts already split their pseudo-gradient into 1/G shards; under
   shard_over the shards are the model's, so it skips its fast-axis mean, reduce-scatter and
@@ -260,15 +271,8 @@ def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
   for batch in batches:
     state, _ = trainer.step(state, batch)
   assert state.params["w"].sharding.spec == P(("host", "local"))
-  tx = make()
-  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
-  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
-  step = jaxcomm.optim.local_training_step(
-      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
-  for batch in batches:
-    local, opt_state, _ = step(local, opt_state, batch)
-  reference = jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)), reference,
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)),
+                              _device_local_mean(make(), params, loss_fn, batches, mesh),
                               atol=1e-6)
 
 
@@ -296,15 +300,8 @@ def test_zero_one_adam_on_per_host_shards_equals_its_device_local_run():
     assert leaf.sharding.spec == P(("host", "local"))  # 1/G of a host's model per device
   nu = state.opt_state.nu["w"]
   assert nu.shape == (16,) and nu.sharding.spec == P("local")
-  tx = make()
-  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
-  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
-  step = jaxcomm.optim.local_training_step(
-      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
-  for batch in batches:
-    local, opt_state, _ = step(local, opt_state, batch)
-  reference = jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
-  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)), reference,
+  chex.assert_trees_all_close(jax.tree.map(np.asarray, trainer.model(state)),
+                              _device_local_mean(make(), params, loss_fn, batches, mesh),
                               atol=1e-6)
 
 
