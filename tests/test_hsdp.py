@@ -212,11 +212,8 @@ def test_dgc_on_shards_equals_its_replicated_run():
   assert losses[-1] < losses[0]
 
 
-def _hosts_as_workers(make, params, loss_fn, batches):
-  """The reference: the same algorithm on a 2 x 1 mesh of device-local models, each device
-  a whole host (its batch is the host's: the batch split over 2 devices, not 8)."""
-  mesh = jaxcomm.make_mesh(hosts=2, local=1, devices=jax.devices()[:2])
-  tx = make()
+def _device_local_mean(tx, params, loss_fn, batches, mesh):
+  """The mean model of ``tx`` run with every device its own worker (the device-local path)."""
   local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
   opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
   step = jaxcomm.optim.local_training_step(
@@ -224,6 +221,13 @@ def _hosts_as_workers(make, params, loss_fn, batches):
   for batch in batches:
     local, opt_state, _ = step(local, opt_state, batch)
   return jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
+
+
+def _hosts_as_workers(make, params, loss_fn, batches):
+  """The reference: the same algorithm on a 2 x 1 mesh of device-local models, each device
+  a whole host (its batch is the host's: the batch split over 2 devices, not 8)."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=1, devices=jax.devices()[:2])
+  return _device_local_mean(make(), params, loss_fn, batches, mesh)
 
 
 @pytest.mark.parametrize("name", sorted(PERIODIC))
@@ -244,17 +248,6 @@ def test_periodic_algorithms_keep_per_host_shards_and_equal_hosts_as_workers(nam
   got = jax.tree.map(np.asarray, trainer.model(state))
   chex.assert_trees_all_close(got, _hosts_as_workers(PERIODIC[name], params, loss_fn, batches),
                               atol=1e-6)
-
-
-def _device_local_mean(tx, params, loss_fn, batches, mesh):
-  """The mean model of ``tx`` run with every device its own worker (the device-local path)."""
-  local = jaxcomm.optim.to_device_local(jax.tree.map(lambda x: x[None], params), mesh)
-  opt_state, specs = jaxcomm.optim.sharded_init(tx, local, mesh, P(("host", "local")))
-  step = jaxcomm.optim.local_training_step(
-      lambda p, batch: loss_fn(jax.tree.map(lambda x: x[0], p), batch), tx, mesh, specs)
-  for batch in batches:
-    local, opt_state, _ = step(local, opt_state, batch)
-  return jax.tree.map(lambda x: np.asarray(x).mean(axis=0), local)
 
 
 def test_sparseloco_on_per_host_shards_equals_its_device_local_run():
