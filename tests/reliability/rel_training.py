@@ -69,10 +69,15 @@ def _host(tree):
   return jax.tree.map(lambda a: np.asarray(a.addressable_data(0)), tree)
 
 
+def initial_model():
+  """``(graphdef, params)`` of the MLP every run starts from."""
+  return init_mlp(16, [32], 4, seed=0)
+
+
 def train(mesh, start: int, stop: int, *, restore: str | None = None,
           save_dir: str | None = None, save_at=(), die_at: int | None = None):
   """Runs steps ``start .. stop-1``; returns ``(params, losses)`` as numpy."""
-  graphdef, params = init_mlp(16, [32], 4, seed=0)
+  graphdef, params = initial_model()
   loss_fn = classification_loss(graphdef)
   per_step = mesh.size * BATCH_PER_DEVICE
   inputs, labels = (np.asarray(a) for a in teacher_classification(1, per_step * STEPS, 16, 4))

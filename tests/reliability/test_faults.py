@@ -21,7 +21,7 @@ import pytest
 
 import jaxcomm
 import rel_training
-from jaxcomm import distributed, launch
+from jaxcomm import checkpoint, distributed, launch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -93,6 +93,16 @@ def test_restart_from_the_last_checkpoint_reproduces_the_uninterrupted_run(runs)
   losses_c, params_c = _params(runs["tmp"] / "c.npz")
   chex.assert_trees_all_equal(params_c, params_a)  # bit for bit, across three jobs
   np.testing.assert_array_equal(losses_c, losses_a[6:])
+  # The restart really carried state: checkpoint 6 (written by job F's two processes, read
+  # here on the simulated 2x4 mesh) holds the step count and non-zero residuals.
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params = rel_training.initial_model()[1]
+  target = {"params": params,
+            "opt_state": checkpoint.abstract_state(rel_training.optimizer(), params, mesh)}
+  saved = checkpoint.restore(runs["tmp"] / "ck_f", target, step=6)["opt_state"][0]
+  assert int(saved.count) == 6
+  for kind in ("worker_residual", "server_residual"):
+    assert any(np.any(np.asarray(getattr(levels[1], kind)) != 0) for levels in saved.level_states)
 
 
 def test_the_multi_process_run_matches_the_simulated_mesh_to_float32_rounding(runs):
