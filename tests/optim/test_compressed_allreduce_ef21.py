@@ -146,6 +146,12 @@ def test_bad_feedback_raises_at_construction(kwargs, match):
     jaxcomm.compressed_allreduce(jaxcomm.sign(), **kwargs)
 
 
+@pytest.mark.parametrize("feedback", ["estimate", "bounded"])
+def test_matrix_compressors_refuse_feedback_they_do_not_keep(feedback):
+  with pytest.raises(ValueError, match=f"feedback='{feedback}' is not available for powersgd"):
+    jaxcomm.compressed_allreduce(jaxcomm.powersgd(2), feedback=feedback)
+
+
 def test_contraction_probe_matches_the_closed_forms():
   from jaxcomm._src.optim.compressed_allreduce import contraction
   assert contraction(jaxcomm.sign()) == pytest.approx(2 / np.pi, abs=0.02)

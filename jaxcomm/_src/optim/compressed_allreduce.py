@@ -310,8 +310,8 @@ def compressed_allreduce(
   feedback = _check_feedback(feedback, strategy, residual_dtype)
   if isinstance(compressor, Compressor) and compressor.needs_matrix and levels is None:
     _check_two_level_axes(fast_axis, slow_axis)
-    if feedback == "estimate":
-      raise ValueError(f"feedback='estimate' is not available for {compressor.name}, which "
+    if feedback in ("estimate", "bounded"):
+      raise ValueError(f"feedback={feedback!r} is not available for {compressor.name}, which "
                        "compresses whole matrices: use 'residual' or 'none'.")
     return matrix_allreduce(compressor, strategy=strategy, feedback=feedback != "none",
                             bucket_bytes=bucket_bytes, residual_dtype=residual_dtype,
