@@ -6,7 +6,8 @@ keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.0
 (``sparseloco-hH``: ``H`` is the period; keys: ``density``, ``bits``, ``beta``, ``alpha``,
 ``chunk``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``, ``weight_decay``;
 ``compress-updates``, :func:`jaxcomm.optim.compress_updates` of AdamW: ``topk`` (fraction),
-``sign``, ``feedback``). Every other
+``sign``, ``feedback``; ``topk-ef``, top-k in front of AdamW
+(:func:`jaxcomm.compressed_allreduce`, gather): ``feedback``). Every other
 flag is mesh_scan's; the variants are registered for this process only, so the registry that
 the tests scan stays as it is::
 
@@ -30,6 +31,7 @@ _DEMO = {"beta": float, "chunk": int, "topk": int, "sign": lambda v: v == "True"
          "weight_decay": float}
 _COMPRESS_UPDATES = {"topk": float, "sign": lambda v: v == "True", "rsign": float,
                      "feedback": str}
+_TOPK_EF = {"feedback": str}
 _SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int}
 
 
@@ -64,7 +66,13 @@ def variant(name: str) -> methods.Method:
     kw = _kwargs(name, _COMPRESS_UPDATES)
     return _compress_updates(name, kw.get("feedback", "residual"), **{
         key: kw[key] for key in ("topk", "sign", "rsign") if key in kw})
-  raise ValueError(f"{name!r}: variants exist for demo, sparseloco-hH and compress-updates")
+  if base == "topk-ef":
+    feedback = _kwargs(name, _TOPK_EF).get("feedback", True)
+    return methods._compressed(name, f"top-k across hosts, gather, feedback={feedback!r}",
+                               lambda s: jaxcomm.topk(s.topk_density), strategy="gather",
+                               feedback=feedback)
+  raise ValueError(f"{name!r}: variants exist for demo, sparseloco-hH, compress-updates and "
+                   "topk-ef")
 
 
 def _compress_updates(name: str, feedback: str, topk: float | None = None, sign: bool = False,

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings, strategies as st
 
 import jaxcomm
 from jaxcomm.compress import pack_bits, packed_nbytes, unpack_bits
@@ -102,6 +103,29 @@ def test_error_feedback_never_stores_non_finite_values():
     chex.assert_trees_all_close(state.residual, before)
 
 
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2**16), bound=st.sampled_from([0.5, 3.0, 1e6]),
+       shrink=st.sampled_from([1.0, 0.1, 0.0]))
+def test_bounded_error_feedback_scales_the_classic_residual_down_to_its_bound(seed, bound,
+                                                                              shrink):
+  """One step from a large residual with an input shrunk by ``shrink``: the bounded residual is
+  the classic one times ``s = min(1, bound ||x|| / ||classic||)``, the payload is the same."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 2)
+  residual = 5 * jax.random.t(keys[0], 2.0, (64,))
+  x = shrink * jax.random.normal(keys[1], (64,))
+  classic, bounded = jaxcomm.error_feedback(jaxcomm.topk(0.05)), jaxcomm.error_feedback(
+      jaxcomm.topk(0.05), bound=bound)
+  state = jaxcomm.compress.ErrorFeedbackState(residual, ())
+  sent, plain = classic.encode(x, state, keys[0])
+  sent_bounded, capped = bounded.encode(x, state, keys[0])
+  chex.assert_trees_all_equal(sent, sent_bounded)
+  limit = bound * float(jnp.linalg.norm(x))
+  norm = float(jnp.linalg.norm(plain.residual))
+  scale = min(1.0, limit / norm)
+  chex.assert_trees_all_close(capped.residual, scale * plain.residual, rtol=1e-5, atol=1e-30)
+  assert float(jnp.linalg.norm(capped.residual)) <= limit * (1 + 1e-5)
+
+
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("count", [1, 7, 8, 9, 61])
 def test_bit_packing_is_exact(bits, count):
@@ -138,6 +162,8 @@ def test_compressors_work_under_vmap():
     (lambda: jaxcomm.quantize(8, chunk=0), "chunk"),
     (lambda: jaxcomm.sign(chunk=-1), "chunk"),
     (lambda: jaxcomm.error_feedback("topk"), "compressor"),
+    (lambda: jaxcomm.error_feedback(jaxcomm.topk(0.1), bound=0.0), "bound"),
+    (lambda: jaxcomm.error_feedback(jaxcomm.topk(0.1), bound="3"), "bound"),
 ])
 def test_bad_configuration_raises_at_construction(factory, match):
   with pytest.raises((ValueError, TypeError), match=match):

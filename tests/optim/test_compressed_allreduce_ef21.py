@@ -105,6 +105,26 @@ def test_default_feedback_and_strategy_follow_the_measured_rules(compressor, mes
              for e in state.estimates)
 
 
+def test_default_feedback_bounds_a_sparsifiers_residual_by_the_current_input():
+  """top-1% (contraction 0.08) gets 'bounded' residuals: under a gradient that shrinks 4x per
+  step each device's residual stays within RESIDUAL_BOUND of its (pre-divided) input, where
+  classic residuals ('residual') grow to many times it."""
+  from jaxcomm._src.optim.compressed_allreduce import RESIDUAL_BOUND
+  mesh = jaxcomm.make_mesh(hosts=8, local=1)
+  ratios = {}
+  for feedback in (True, "residual"):
+    tx = jaxcomm.compressed_allreduce(jaxcomm.topk(0.01), feedback=feedback)
+    state, update = update_fn(tx, PARAMS, mesh)
+    for step in range(6):
+      grads = jax.tree.map(lambda g: g * 0.25 ** step, _grads(step, 8))
+      _, state = update(grads, state)
+    residual = np.asarray(state.level_states[1][1].residual).reshape(8, -1)
+    inputs = np.asarray(grads["w"]).reshape(8, -1) / 8
+    ratios[feedback] = np.linalg.norm(residual, axis=1) / np.linalg.norm(inputs, axis=1)
+  assert np.all(ratios[True] <= RESIDUAL_BOUND * (1 + 1e-5))
+  assert np.all(ratios["residual"] > 10 * RESIDUAL_BOUND)
+
+
 def test_default_feedback_keeps_residuals_where_estimates_cannot_be_exact():
   mesh = jaxcomm.make_mesh(hosts=4, local=2)
   for kwargs in ({"strategy": "two_phase"}, {"residual_dtype": jnp.bfloat16}):
@@ -117,12 +137,19 @@ def test_default_feedback_keeps_residuals_where_estimates_cannot_be_exact():
 @pytest.mark.parametrize("kwargs, match", [
     ({"feedback": "estimate", "strategy": "two_phase"}, "two_phase"),
     ({"feedback": "estimate", "residual_dtype": jnp.bfloat16}, "residual_dtype=bfloat16"),
-    ({"feedback": "memory"}, "feedback must be one of estimate, residual, none"),
+    ({"feedback": "bounded", "strategy": "two_phase"}, "feedback='bounded'"),
+    ({"feedback": "memory"}, "feedback must be one of estimate, bounded, residual, none"),
     ({"feedback": 1}, "feedback must be a bool"),
 ])
 def test_bad_feedback_raises_at_construction(kwargs, match):
   with pytest.raises((ValueError, TypeError), match=match):
     jaxcomm.compressed_allreduce(jaxcomm.sign(), **kwargs)
+
+
+@pytest.mark.parametrize("feedback", ["estimate", "bounded"])
+def test_matrix_compressors_refuse_feedback_they_do_not_keep(feedback):
+  with pytest.raises(ValueError, match=f"feedback='{feedback}' is not available for powersgd"):
+    jaxcomm.compressed_allreduce(jaxcomm.powersgd(2), feedback=feedback)
 
 
 def test_contraction_probe_matches_the_closed_forms():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
-from jaxcomm._src.validation import check_float_input
+from jaxcomm._src.validation import check_float, check_float_input
 
 
 def _check_compressor(compressor) -> None:
@@ -38,7 +38,13 @@ class ErrorFeedbackState(NamedTuple):
   inner: Any
 
 
-def error_feedback(compressor: Compressor) -> Compressor:
+def _capped(unsent: jax.Array, limit: jax.Array) -> jax.Array:
+  """``unsent`` scaled down to norm ``limit`` where it is longer (a zero ``limit`` zeroes it)."""
+  norm = jnp.linalg.norm(unsent)
+  return unsent * jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+
+
+def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Compressor:
   """Wraps ``compressor`` with error feedback (memory).
 
   Each call compresses ``a = x + e`` and keeps the part not sent, ``e' = a - decode(payload)``,
@@ -46,6 +52,16 @@ def error_feedback(compressor: Compressor) -> Compressor:
   cast of the values to a narrower dtype). So ``decode(payload) + e' == x + e`` up to the
   rounding of one float32 subtraction, and over ``T`` steps
   ``sum_t decode(payload_t) == sum_t x_t - e_T``: nothing is lost, only delayed.
+
+  With ``bound``, the kept residual is scaled down, where it is longer, to norm
+  ``bound * ||x||``: the norm of this call's input, not of the accumulated ``a`` (all norms
+  over the whole input). What is scaled away is dropped, so the identity above becomes
+  ``decode(payload) + e' == x + e - (1 - s)(a - decode(payload))`` with
+  ``s = min(1, bound ||x|| / ||a - decode(payload)||)``. A sparsifier's residual can grow to
+  hundreds of times the current gradient once the model fits the data (the gradient shrinks,
+  the residual keeps the mass of older, larger gradients); released in a burst, that stale
+  mass is integrated by a momentum after the mean into a kick that undoes the fit
+  (docs/quality.md, section 9). The bound keeps the residual within ``bound`` gradients.
 
   A non-finite input (any NaN or Inf) leaves the residual and the floating-point leaves of
   the inner state untouched: they are never overwritten with
@@ -60,6 +76,8 @@ def error_feedback(compressor: Compressor) -> Compressor:
 
   Args:
     compressor: any :class:`~jaxcomm.Compressor`.
+    bound: ``None`` (classic error feedback, nothing dropped) or a float > 0: the residual's
+      norm is at most ``bound`` times the input's.
 
   Returns:
     A :class:`~jaxcomm.Compressor` whose state is :class:`ErrorFeedbackState`.
@@ -70,6 +88,8 @@ def error_feedback(compressor: Compressor) -> Compressor:
     Schemes", ICML 2019.
   """
   _check_compressor(compressor)
+  if bound is not None:
+    bound = check_float("bound", bound)
 
   def init(shape, dtype) -> ErrorFeedbackState:
     return ErrorFeedbackState(residual=jnp.zeros(shape, jnp.float32),
@@ -77,15 +97,18 @@ def error_feedback(compressor: Compressor) -> Compressor:
 
   def encode(x: jax.Array, state: ErrorFeedbackState, key: jax.Array):
     check_float_input(x)
-    corrected = x.astype(jnp.float32) + state.residual
+    x32 = x.astype(jnp.float32)
+    corrected = x32 + state.residual
     payload, inner = compressor.encode(corrected, state.inner, key)
     unsent = corrected - compressor.decode(payload, x.shape)
+    if bound is not None:
+      unsent = _capped(unsent, bound * jnp.linalg.norm(x32))
     # Checking the residual too catches a compressor that overflowed on finite input.
     bad = has_nonfinite((corrected, unsent))
     return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
                             floats_only=True)
 
-  return _wrapping(compressor, init, encode, "ef")
+  return _wrapping(compressor, init, encode, "ef" if bound is None else f"ef[bound={bound:g}]")
 
 
 class EstimateFeedbackState(NamedTuple):

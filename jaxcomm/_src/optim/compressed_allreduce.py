@@ -17,7 +17,7 @@ from jaxcomm._src.collectives.strategies import Strategy, TwoPhaseState, as_stra
 from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.validation import check_dtype, check_float_tree
 from jaxcomm._src.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
-                                                  estimate_feedback)
+                                                  error_feedback, estimate_feedback)
 from jaxcomm._src.compress.policy import CompressionPolicy
 from jaxcomm._src.keys import as_key, check_seed
 from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_finite, keep_if,
@@ -25,7 +25,7 @@ from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_fi
 from jaxcomm._src.optim.powersgd import matrix_allreduce
 from jaxcomm._src.topology import HOST_AXIS, LOCAL_AXIS
 
-FEEDBACKS = ("estimate", "residual", "none")
+FEEDBACKS = ("estimate", "bounded", "residual", "none")
 RESIDUAL_DTYPES = (jnp.float32, jnp.bfloat16)
 
 
@@ -65,10 +65,18 @@ def _check_two_level_axes(fast_axis, slow_axis) -> None:
 # EF21 refreshes every coordinate's estimate only as fast as the compressor contracts: a
 # sparsifier's estimates go stale for about 1/delta steps, which a momentum after the mean
 # turns into divergence (top-1%, delta 0.08, 2x4, SGD momentum 0.9: docs/quality.md), while
-# scaled sign (delta 0.64) needs the estimates to converge at all. Classic residuals, which
-# conserve the mass, stay the default below this contraction; 0.5 also keeps top-10% (0.44),
+# scaled sign (delta 0.64) needs the estimates to converge at all. Residuals (bounded:
+# RESIDUAL_BOUND) stay the default below this contraction; 0.5 also keeps top-10% (0.44),
 # not measured with estimates, on residuals.
 ESTIMATE_MIN_CONTRACTION = 0.5
+
+# feedback='bounded' keeps a residual of norm at most this many times the current input's
+# (jaxcomm.compress.error_feedback(bound=)). Top-1%'s classic residual grew to 20-1200 times
+# the gradient once the model fit the data and was released in bursts that a momentum after
+# the mean turned into loss spikes (up to the initial loss); capped at 3, top-1% under SGD
+# momentum 0.9 on 8x1 went from -0.89 to -0.06 points of fp32 over seeds 0-4
+# (docs/quality.md, section 9).
+RESIDUAL_BOUND = 3.0
 
 
 def contraction(compressor: Compressor, size: int = 4096) -> float:
@@ -86,16 +94,15 @@ def contraction(compressor: Compressor, size: int = 4096) -> float:
 
 def _feedback_for(feedback: str, compressor: Compressor | None) -> str:
   """``'auto'`` resolved for one compressor: ``'estimate'`` for a biased compressor of
-  flattened shards that contracts by at least :data:`ESTIMATE_MIN_CONTRACTION`, else
-  ``'residual'`` (matrix compressors keep their collective's residuals; an unbiased one may
-  then use two-phase: see
+  flattened shards that contracts by at least :data:`ESTIMATE_MIN_CONTRACTION`,
+  ``'bounded'`` for one that contracts less (sparsifiers), else ``'residual'`` (matrix
+  compressors keep their collective's residuals; an unbiased one may then use two-phase: see
   :func:`~jaxcomm.collectives.strategies.resolve`)."""
   if feedback != "auto" or compressor is None:
     return feedback
-  if (compressor.unbiased or compressor.needs_matrix
-      or contraction(compressor) < ESTIMATE_MIN_CONTRACTION):
+  if compressor.unbiased or compressor.needs_matrix:
     return "residual"
-  return "estimate"
+  return "estimate" if contraction(compressor) >= ESTIMATE_MIN_CONTRACTION else "bounded"
 
 
 def _check_feedback(feedback, strategy, residual_dtype) -> str:
@@ -115,10 +122,10 @@ def _check_feedback(feedback, strategy, residual_dtype) -> str:
   if feedback not in FEEDBACKS:
     raise ValueError(f"feedback must be one of {', '.join(FEEDBACKS)} or a bool; got "
                      f"{feedback!r}.")
-  if feedback == "estimate" and own_residuals:
+  if feedback in ("estimate", "bounded") and own_residuals:
     raise ValueError("strategy='two_phase' keeps its own worker and server residuals: use it "
-                     "with feedback='residual' (or 'none'), or use feedback='estimate' with "
-                     "'gather' or 'linear'.")
+                     f"with feedback='residual' (or 'none'), or use feedback={feedback!r} "
+                     "with 'gather' or 'linear'.")
   if feedback == "estimate" and residual_dtype != jnp.float32:
     raise ValueError(f"residual_dtype={jnp.dtype(residual_dtype).name} needs "
                      "feedback='residual': the EF21 estimates stay float32 so that the "
@@ -144,6 +151,8 @@ def _leaf_topologies(compressor, strategy, feedback, levels, fast_axis, slow_axi
     mode = _feedback_for(feedback, choice)
     if mode == "estimate":
       choice = estimate_feedback(choice)
+    elif mode == "bounded":
+      choice = error_feedback(choice, bound=RESIDUAL_BOUND)
     return (level(fast_axis),
             level(slow_axis, choice, strategy=strategy, feedback=mode == "residual"))
 
@@ -250,13 +259,16 @@ def compressed_allreduce(
       replicated) and returns it, so nothing unsent is released late in a burst, which a
       momentum after the mean amplifies into divergence (docs/quality.md). ``'residual'``:
       classic error feedback, the unsent rest added to the next input (with ``two_phase``,
-      worker and server residuals). ``'none'`` (``False``): nothing is carried over.
+      worker and server residuals). ``'bounded'``: classic residuals whose norm is capped at
+      :data:`RESIDUAL_BOUND` times this step's input's (per device and bucket; the excess is
+      dropped: :func:`jaxcomm.compress.error_feedback` ``bound``), so no stale mass many times
+      the current gradient is released into the momentum after the mean (docs/quality.md,
+      section 9). ``'none'`` (``False``): nothing is carried over.
       ``True`` (default): per compressor, ``'estimate'`` for a biased one whose
-      :func:`contraction` is at least :data:`ESTIMATE_MIN_CONTRACTION` (sign), else
-      ``'residual'`` (sparsifiers such as top-k, whose estimates would go stale; unbiased
-      compressors such as int8, which may then use ``two_phase``); ``'residual'`` always
-      with ``two_phase`` or a ``bfloat16`` ``residual_dtype``, where estimates cannot be
-      kept exactly. With
+      :func:`contraction` is at least :data:`ESTIMATE_MIN_CONTRACTION` (sign), ``'bounded'``
+      for a biased one below it (sparsifiers such as top-k, whose estimates would go stale),
+      ``'residual'`` for unbiased compressors (int8, which may then use ``two_phase``);
+      ``'residual'`` always with ``two_phase`` or a ``bfloat16`` ``residual_dtype``. With
       ``'linear'`` the estimates stay exact where decoding is linear too (every linear
       compressor here but a count sketch of depth > 1, whose median decoding of the summed
       sketch is not the sum of the devices' decodings).
@@ -298,8 +310,8 @@ def compressed_allreduce(
   feedback = _check_feedback(feedback, strategy, residual_dtype)
   if isinstance(compressor, Compressor) and compressor.needs_matrix and levels is None:
     _check_two_level_axes(fast_axis, slow_axis)
-    if feedback == "estimate":
-      raise ValueError(f"feedback='estimate' is not available for {compressor.name}, which "
+    if feedback in ("estimate", "bounded"):
+      raise ValueError(f"feedback={feedback!r} is not available for {compressor.name}, which "
                        "compresses whole matrices: use 'residual' or 'none'.")
     return matrix_allreduce(compressor, strategy=strategy, feedback=feedback != "none",
                             bucket_bytes=bucket_bytes, residual_dtype=residual_dtype,
