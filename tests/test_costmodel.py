@@ -193,8 +193,8 @@ def _two_bytes_per_element(shape, dtype):
     # Leaves of 10 and 3 elements on 2 hosts x 4 devices: shards of 3 and 1 elements.
     # Full precision: all-reduce of 12 + 4 bytes over 2 hosts: 2 + 2 steps, 12/2*2 + 4/2*2.
     (None, "gather", 4, 16.0, 4 * 1.0 + 16 / 4),
-    # Gather of payloads of 6 and 2 bytes: 1 step each, (H-1) c = 6 + 2 bytes.
-    (_two_bytes_per_element, "gather", 2, 8.0, 2 * 1.0 + 8 / 4),
+    # Gather of payloads of 6 and 2 bytes in one all-gather: 1 step, (H-1) c = 6 + 2 bytes.
+    (_two_bytes_per_element, "gather", 1, 8.0, 1 * 1.0 + 8 / 4),
     # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); all-to-all + gather.
     (_two_bytes_per_element, "two_phase", 4, 12.0, 4 * 1.0 + 12 / 4),
 ])

@@ -1,9 +1,10 @@
 """Modeled communication of one step of a large model's gradient allreduce, per method.
 
 Nothing is compiled: these are alpha-beta figures from the gradient shapes
-(:mod:`jaxcomm.costmodel`), one collective per leaf and phase, for ``H`` hosts of ``G``
-devices. Each function returns a :class:`jaxcomm.costmodel.Traffic`, the steps and bytes on
-each link; ``traffic.seconds(fast_link, slow_link)`` times it on any cluster.
+(:mod:`jaxcomm.costmodel`), one collective per leaf and phase (the gather strategy: one
+all-gather per step), for ``H`` hosts of ``G`` devices. Each function returns a
+:class:`jaxcomm.costmodel.Traffic`, the steps and bytes on each link;
+``traffic.seconds(fast_link, slow_link)`` times it on any cluster.
 """
 
 from __future__ import annotations

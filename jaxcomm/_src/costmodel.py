@@ -392,11 +392,10 @@ def traffic(shapes: Iterable[Shape], hosts: int, local: int,
   hosts, local = _check_devices("hosts", hosts), _check_devices("local", local)
   slow_strategy, compressor = _slow_strategy(wire_bytes, strategy, hosts)
   dtype = np.dtype(dtype)
-  fast, slow = NO_COST, NO_COST
-  for shape in shapes:
-    shard_len = -(-math.prod(shape) // local)
-    fast = fast + strategies.Dense().cost(None, local * shard_len, local, dtype)
-    slow = slow + slow_strategy.cost(compressor, shard_len, hosts, dtype)
+  shard_lens = [-(-math.prod(shape) // local) for shape in shapes]
+  fast = strategies.level_cost(strategies.Dense(), None, [local * n for n in shard_lens], local,
+                               dtype)
+  slow = strategies.level_cost(slow_strategy, compressor, shard_lens, hosts, dtype)
   return Traffic(fast, slow)
 
 
@@ -419,14 +418,16 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
     - ``'linear'`` (a :class:`~jaxcomm.Compressor` with linear payloads): all-reduce of the
       summed payload ``c``, ``2(H-1) alpha_s + 2(H-1)/H c beta_s``;
     - ``'gather'``: all-gather of each device's ``c = wire_bytes((s,))`` payload,
-      ``(H-1) alpha_s + (H-1) c beta_s`` (what :func:`jaxcomm.collectives.hierarchical_allreduce` runs);
+      ``(H-1) c beta_s``, every leaf's payload in one all-gather per step, so ``(H-1)
+      alpha_s`` once (what :func:`jaxcomm.compressed_allreduce` runs);
     - ``'two_phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
       ``c_H = wire_bytes((ceil(s/H),))`` bytes each; all-to-all then all-gather of the
       re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
 
   Every device of a host works its own shard at once, each on its own slow link: give
   ``slow_link.shared_by(G)`` when a host's devices share one NIC. One collective per leaf
-  and phase (no bucketing), so small leaves pay the ``alpha`` terms in full.
+  and phase (no bucketing), so small leaves pay the ``alpha`` terms in full, except the
+  gather strategy's all-gather, one per step for all leaves.
 
   Args:
     shapes: gradient leaf shapes, e.g. ``transformer_gradient_shapes('llama-7b').values()``.

@@ -236,37 +236,87 @@ def hierarchical_allreduce(x: jax.Array, levels: Sequence[Level], states: tuple,
   Returns:
     ``(mean, new_states)``: the mean in ``x``'s dtype and shape, identical on every device.
   """
-  levels = check_levels(levels)
-  require_axes([lv.axis for lv in levels], "hierarchical_allreduce")
+  (mean,), (new_states,) = hierarchical_allreduce_many([x], [levels], [states], [key])
+  return mean, new_states
+
+
+def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]],
+                                states: Sequence[tuple], keys: Sequence[jax.Array]
+                                ) -> tuple[list[jax.Array], list[tuple]]:
+  """:func:`hierarchical_allreduce` of several arrays (e.g. gradient buckets) in one call.
+
+  Each array is reduced exactly as :func:`hierarchical_allreduce` reduces it alone (same
+  results, bit for bit, and the same bytes), but the compressed levels with the
+  :class:`~jaxcomm.collectives.Gather` strategy send every array's payload in one collective
+  per level and call (:func:`~jaxcomm.collectives.strategies.gather_sums`): one rendezvous
+  instead of one per array.
+
+  Args:
+    xs: the arrays, each as :func:`hierarchical_allreduce` takes it.
+    topologies: one topology per array; all must name the same axes in the same order (their
+      compressors and strategies may differ).
+    states: per array, its per-level states from :func:`init_states`.
+    keys: per array, its PRNG key (the same on every device).
+
+  Returns:
+    ``(means, new_states)``: one entry per array.
+  """
+  topologies = [check_levels(levels) for levels in topologies]
+  axes = [lv.axis for lv in topologies[0]]
+  if any([lv.axis for lv in levels] != axes for levels in topologies):
+    raise ValueError(f"topologies must name the same axes in the same order; got "
+                     f"{[[lv.axis for lv in levels] for levels in topologies]}.")
+  require_axes(axes, "hierarchical_allreduce")
+  shards = [_first_shard(x, levels) for x, levels in zip(xs, topologies)]
+  new_states = [list(level_states) for level_states in states]
+  for index, axis in enumerate(axes):
+    axis_size = jax.lax.axis_size(axis)
+    gathers: dict[strategies.Gather, list[int]] = {}
+    for b, levels in enumerate(topologies):
+      lv = levels[index]
+      if _done(lv):
+        continue
+      strategy = resolve_level(lv, axis_size)
+      if lv.compressor is None:
+        shards[b] = strategy.scatter(shards[b], axis)
+      elif axis_size == 1:
+        shards[b] = jax.lax.psum(shards[b], axis)  # one device: a no-op that marks it reduced
+      elif isinstance(strategy, strategies.Gather):
+        gathers.setdefault(strategy, []).append(b)
+      else:
+        shards[b], new_states[b][index] = strategy.apply(
+            shards[b], lv.compressor, new_states[b][index],
+            _level_key(keys[b], levels, index, strategy.shared_key), axis, lv.feedback)
+    for strategy, members in gathers.items():
+      items = [(shards[b], topologies[b][index].compressor, new_states[b][index],
+                _level_key(keys[b], topologies[b], index, strategy.shared_key),
+                topologies[b][index].feedback)
+               for b in members]
+      for b, (shard, state) in zip(members, strategy.apply_many(items, axis)):
+        shards[b], new_states[b][index] = shard, state
+  means = [_gathered_back(shard, x, levels) for shard, x, levels in zip(shards, xs, topologies)]
+  return means, [tuple(level_states) for level_states in new_states]
+
+
+def _first_shard(x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
+  """``x`` divided by the devices it is averaged over, flattened and zero-padded to a
+  multiple of the dense levels' sizes."""
   check_float_input(x)
   total = 1
   for lv in levels:
     if not _done(lv):
       total *= jax.lax.axis_size(lv.axis)
-  size = x.size
-  padded, _ = _shard_sizes(levels, size)
-  shard = jnp.pad((x / total).astype(x.dtype).reshape(-1), (0, padded - size))
-  new_states = []
-  for index, (lv, state) in enumerate(zip(levels, states)):
-    if _done(lv):
-      new_states.append(state)
-      continue
-    axis_size = jax.lax.axis_size(lv.axis)
-    strategy = resolve_level(lv, axis_size)
-    if lv.compressor is None:
-      shard = strategy.scatter(shard, lv.axis)
-    elif axis_size == 1:
-      shard = jax.lax.psum(shard, lv.axis)  # one device: a no-op that marks it reduced
-    else:
-      level_key = _level_key(key, levels, index, shared=strategy.shared_key)
-      shard, state = strategy.apply(shard, lv.compressor, state, level_key, lv.axis,
-                                    lv.feedback)
-    new_states.append(state)
+  padded, _ = _shard_sizes(levels, x.size)
+  return jnp.pad((x / total).astype(x.dtype).reshape(-1), (0, padded - x.size))
+
+
+def _gathered_back(shard: jax.Array, x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
+  """The dense levels' all-gathers, slowest first, back to ``x``'s dtype and shape."""
   shard = shard.astype(x.dtype)
   for lv in reversed(levels):
     if lv.compressor is None and not _done(lv):
       shard = resolve_level(lv, jax.lax.axis_size(lv.axis)).gather(shard, lv.axis)
-  return shard[:size].reshape(x.shape), tuple(new_states)
+  return shard[:x.size].reshape(x.shape)
 
 
 def hierarchical_cost(levels: Sequence[Level], size: int, axis_sizes: Mapping[str, int],

@@ -11,8 +11,9 @@ import optax
 
 from jaxcomm._src.collectives import buckets as bucketing
 from jaxcomm._src.mesh_axes import require_axes, require_varying
-from jaxcomm._src.collectives.hierarchical import (Level, check_levels, hierarchical_allreduce,
-                                                   init_states, level)
+from jaxcomm._src.collectives.hierarchical import (Level, check_levels,
+                                                   hierarchical_allreduce_many, init_states,
+                                                   level)
 from jaxcomm._src.collectives.strategies import Strategy, TwoPhaseState, as_strategy
 from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.validation import check_dtype, check_float_tree
@@ -199,20 +200,24 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
   check_nonfinite_mode(nonfinite)
 
 
-def _reduce_bucket(packed: jax.Array, levels, level_states, estimate, key: jax.Array):
-  """``(mean, new level states, new estimate)`` of one bucket.
+def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
+                    keys: list[jax.Array]):
+  """``(means, new level states, new estimates)`` of every bucket, in one engine call
+  (:func:`hierarchical_allreduce_many`: the gather levels send all buckets' payloads in one
+  collective).
 
-  With an EF21 ``estimate`` the levels return the summed change of the devices' estimates
+  With an EF21 estimate the levels return the summed change of the devices' estimates
   (float32, so that the replicated estimate stays exactly their mean), and the mean is the
   new estimate.
   """
-  if not isinstance(estimate, jax.Array):
-    mean, level_states = hierarchical_allreduce(packed, levels, level_states, key)
-    return mean, level_states, estimate
-  change, level_states = hierarchical_allreduce(packed.astype(jnp.float32), levels,
-                                                level_states, key)
-  estimate = estimate + change
-  return estimate.astype(packed.dtype), level_states, estimate
+  estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
+  inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
+  results, level_states = hierarchical_allreduce_many(inputs, topologies, level_states, keys)
+  estimates = [estimate + result if e else estimate
+               for estimate, result, e in zip(estimates, results, estimated)]
+  means = [estimate.astype(x.dtype) if e else result
+           for x, estimate, result, e in zip(packed, estimates, results, estimated)]
+  return means, level_states, estimates
 
 
 def compressed_allreduce(
@@ -350,18 +355,16 @@ def compressed_allreduce(
     leaves, treedef = jax.tree.flatten(grads)
     if nonfinite == "zero":
       leaves = zero_nonfinite(leaves)
+    buckets = plan(grads)
+    bucket_means, new_states, estimates = _reduce_buckets(
+        [bucketing.pack(leaves, bucket) for bucket in buckets],
+        [topologies[bucket.group] for bucket in buckets],
+        _cast_residuals(state.level_states, jnp.float32), state.estimates,
+        [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
     means: list[Any] = [None] * len(leaves)
-    new_states, estimates = [], []
-    wide_states = _cast_residuals(state.level_states, jnp.float32)
-    for index, (bucket, level_states, estimate) in enumerate(
-        zip(plan(grads), wide_states, state.estimates)):
-      mean, level_states, estimate = _reduce_bucket(
-          bucketing.pack(leaves, bucket), topologies[bucket.group], level_states, estimate,
-          jax.random.fold_in(step_key, index))
+    for bucket, mean in zip(buckets, bucket_means):
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
         means[leaf_index] = leaf_mean
-      new_states.append(level_states)
-      estimates.append(estimate)
     new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
                              state.level_states)
     new_state = CompressedAllReduceState(

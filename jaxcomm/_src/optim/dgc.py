@@ -222,25 +222,31 @@ def _clip(grads32: list, clip_norm: float | None, topo: _Topology) -> list:
   return [g * jnp.minimum(1.0, threshold / jnp.maximum(norm, 1e-30)) for g in grads32]
 
 
-def _exchange(compressor, velocity, server, workers, strategy: strategies.Strategy):
-  """``(sum over workers of the sent velocity, unsent velocity, server residual)``: the
-  velocity is the error-feedback memory, so each exchange starts from a zero residual."""
-  flat = velocity.reshape(-1)
+def _exchange(compressor, velocities, server, workers, strategy: strategies.Strategy):
+  """``(sum over workers of the sent velocity, unsent velocity, server residual)`` per leaf:
+  the velocity is the error-feedback memory, so each exchange starts from a zero residual.
+  With gather, every leaf's top-k crosses in one all-gather
+  (:meth:`~jaxcomm.collectives.Gather.apply_many`)."""
+  flats = [velocity.reshape(-1) for velocity in velocities]
   if not strategy.own_residuals:  # gather: top-k with error feedback
-    unsent = ErrorFeedbackState(jnp.zeros_like(flat), ())
-    total, state = strategy.apply(flat, compressor, unsent, unread_key(), workers, True)
-    return total, state.residual, server
-  empty = strategies.two_phase_init(flat.size, device_count(workers))
-  total, state = strategy.apply(flat, compressor, empty._replace(server_residual=server),
-                                unread_key(), workers, True)
-  return total, state.worker_residual[:flat.size], state.server_residual
+    results = strategy.apply_many(
+        [(flat, compressor, ErrorFeedbackState(jnp.zeros_like(flat), ()), unread_key(), True)
+         for flat in flats], workers)
+    return [(total, state.residual, s) for (total, state), s in zip(results, server)]
+  exchanged = []
+  for flat, residual in zip(flats, server):
+    empty = strategies.two_phase_init(flat.size, device_count(workers))
+    total, state = strategy.apply(flat, compressor, empty._replace(server_residual=residual),
+                                  unread_key(), workers, True)
+    exchanged.append((total, state.worker_residual[:flat.size], state.server_residual))
+  return exchanged
 
 
 def _sparse_step(compressor, workers, strategy: strategies.Strategy, momentum_masking: bool,
                  operands):
   """One exchange of every leaf's velocity: ``(means, u, unsent v, server residuals)``."""
   u, v, server = operands
-  results = [_exchange(compressor, leaf, s, workers, strategy) for leaf, s in zip(v, server)]
+  results = _exchange(compressor, v, server, workers, strategy)
   means = [total.reshape(leaf.shape) / device_count(workers)
            for (total, _, _), leaf in zip(results, v)]
   unsent = [residual.reshape(leaf.shape) for (_, residual, _), leaf in zip(results, v)]
