@@ -183,31 +183,41 @@ def _rows(leaf, hosts, size):
   return jnp.asarray(leaf).reshape(hosts, -1)[:, :size]
 
 
-def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_path):
-  """DiLoCo (AdamW inner, period 4) saved on 2x4 after 3 steps, mid-period: the two hosts'
-  models differ. Restored on another shape, every new host holds the saved hosts' mean model
-  and the mean of their inner AdamW moments (real entries, bit-identical), padded with zeros;
-  the anchor and the counters are as saved; the next step (the 4th) synchronizes as planned.
-  (4 x 2: both the number of hosts and G change.)"""
+PER_HOST = {"diloco": lambda: jaxcomm.diloco(optax.adamw(3e-2), 2),
+            "sparseloco": lambda: jaxcomm.sparseloco(optax.adamw(3e-2), 2, density=0.5)}
+
+
+def _adam(inner):
+  return next(node for node in jax.tree.leaves(inner, is_leaf=lambda n: hasattr(n, "mu"))
+              if hasattr(node, "mu"))
+
+
+@pytest.mark.parametrize("method", sorted(PER_HOST))
+def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_path, method):
+  """DiLoCo and SparseLoCo (AdamW inner, period 2) saved on 2x4 after 3 steps, mid-period:
+  the two hosts' models differ. Restored on 4 x 2 (both H and G change), every new host holds
+  the saved hosts' mean model and the mean of their inner AdamW moments (real entries,
+  bit-identical), padded with zeros; the anchor and the counters are as saved; SparseLoCo's
+  error buffers keep every element's pending mass summed over hosts (residuals='sum',
+  bit-identical); the next step (the 4th) synchronizes as planned."""
   hosts, local = 4, 2
   params, loss_fn, batch = problem()
-  tx = lambda: jaxcomm.diloco(optax.adamw(3e-2), 4)
-  trainer = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
-                                  shard_over="local")
+  trainer = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
+                                  jaxcomm.make_mesh(hosts=2, local=4), shard_over="local")
   state = trainer.init(params)
   for _ in range(3):
     state, _ = trainer.step(state, batch)
   jaxcomm.checkpoint.save(tmp_path, 3, state)
   sizes = {name: leaf.size for name, leaf in params.items()}
   assert not jnp.array_equal(*_rows(state.params["w"], 2, sizes["w"]))  # the hosts differ
-  moved = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=hosts, local=local),
-                                shard_over="local")
-  restored = jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=tx(), params=params,
-                                        shard_over="local")
-  saved_inner, inner = state.opt_state.inner[0], restored.opt_state.inner[0]
+  moved = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
+                                jaxcomm.make_mesh(hosts=hosts, local=local), shard_over="local")
+  restored = jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=PER_HOST[method](),
+                                        params=params, shard_over="local")
+  saved_adam, adam = _adam(state.opt_state.inner), _adam(restored.opt_state.inner)
   for name, size in sizes.items():
-    for old, new in ((state.params, restored.params), (saved_inner.mu, inner.mu),
-                     (saved_inner.nu, inner.nu)):
+    for old, new in ((state.params, restored.params), (saved_adam.mu, adam.mu),
+                     (saved_adam.nu, adam.nu)):
       assert new[name].shape == (hosts * padded(size, local),)
       assert new[name].sharding.spec == P(("host", "local"))
       mean = jnp.mean(_rows(old[name], 2, size), axis=0)
@@ -215,6 +225,12 @@ def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_p
       assert not jnp.any(new[name].reshape(hosts, -1)[:, size:])
     chex.assert_trees_all_equal(restored.opt_state.anchor[name][:size],
                                 state.opt_state.anchor[name][:size])
+    if method == "sparseloco":
+      # the error buffers of the fragment's leaves, in jax.tree.leaves(params) order
+      old, new = (dict(zip(sorted(sizes), jax.tree.leaves(s.opt_state.sync[0].error)))[name]
+                  for s in (state, restored))
+      assert jnp.any(_pending(old, 2, 4, size))
+      chex.assert_trees_all_equal(_pending(new, hosts, local, size), _pending(old, 2, 4, size))
   assert int(restored.opt_state.count) == int(state.opt_state.count) == 3
   restored, loss = moved.step(restored, batch)
   assert jnp.isfinite(loss)

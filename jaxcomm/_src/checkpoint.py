@@ -344,8 +344,9 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   Per-host parameters (the periodic engine under ``shard_over``: local SGD, DiLoCo, SlowMo,
   BMUF, FedAvg) restore as the mean of the saved hosts' models, the same on every new host,
   and so does every per-host leaf of the inner optimizer's state (e.g. its Adam moments);
-  the anchor and the outer state are replicated over hosts and follow the flat rule. 0/1
-  Adam's per-host state restores on the saved mesh shape only.
+  the anchor and the outer state are replicated over hosts and follow the flat rule, and
+  per-host residuals (SparseLoCo's error buffers) follow ``residuals``. 0/1 Adam's per-host
+  state restores on the saved mesh shape only.
   docs/hsdp.md, "Checkpoints".
 
   Args:
@@ -669,10 +670,10 @@ class _ShardedLayout:
   ``(h, i)``'s slow-level residual covers elements ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of
   host ``h``'s leaf (of the leaf with its split dimension moved first, for a split leaf),
   which is the replicated path's layout after its reduce-scatter with the leaf as the bucket.
-  Per-host parameters (the periodic engine's hosts as workers, ``P((slow, axis))``) and every
-  other per-host flat leaf outside compressed_allreduce's state (the inner optimizer's
-  moments) restore as the mean over the saved hosts, the same on every new host
-  (:func:`_host_mean`).
+  Per-host parameters (the periodic engine's hosts as workers, ``P((slow, axis))``) and the
+  per-host leaves of the inner optimizer's state (its moments) restore as the mean over the
+  saved hosts, the same on every new host (:func:`_host_mean`); per-host residuals (e.g.
+  SparseLoCo's error buffers) follow ``residuals``, as PowerSGD's do.
   """
 
   def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
@@ -731,13 +732,16 @@ class _ShardedLayout:
     return target._replace(params=jax.tree.map(place, saved_shards),
                            opt_state=jax.tree.map(place, self.saved))
 
-  def _leaf(self, residuals: str, value, saved, saved_spec, target):
+  def _leaf(self, residuals: str, value, saved, saved_spec, target, inner: bool):
     """One leaf laid out like ``target``. A 1-D leaf sharded over the axis on the saved mesh is
     a flat shard of some parameter of ``d`` elements, saved with ``L >= d`` entries per host
     and wanted with ``L' >= d``: replicated over the slow axis (parameters, Adam moments), its
-    first ``min(L, L')`` entries are kept and zero-padded; per host (PowerSGD's residual) it
-    is mapped by ``residuals`` as an error-feedback residual of ``min(L, L')`` elements
-    (:func:`_moved_residual`); either way the ``d`` real entries are exact. A
+    first ``min(L, L')`` entries are kept and zero-padded; per host and ``inner`` (the
+    periodic engine's inner optimizer state beside per-host parameters), the mean of the
+    hosts' first ``min(L, L')`` entries, zero-padded, on every new host; per host otherwise
+    (PowerSGD's residual, SparseLoCo's error buffer) it is mapped by ``residuals`` as an
+    error-feedback residual of ``min(L, L')`` elements (:func:`_moved_residual`); either way
+    the ``d`` real entries are exact. A
     compressed_allreduce state (mapped already) or any other leaf is kept as it is (e.g.
     PowerSGD's ``Q``, replicated over hosts: its rows are re-sharded)."""
     if _is_allreduce_state(value):
@@ -753,7 +757,7 @@ class _ShardedLayout:
     if over == (self.axis,):
       kept = min(saved.shape[0], target.shape[0])
       return _repadded(value, kept, target.shape[0], sharding=sharding)
-    if self.per_host:
+    if inner:
       kept = min(saved.shape[0] // self.saved_hosts, target.shape[0] // self.hosts)
       return self._host_mean(value, kept, target)
     if residuals == "reset":
@@ -782,4 +786,16 @@ class _ShardedLayout:
         params=self.treedef.unflatten(params),
         opt_state=jax.tree.map(functools.partial(self._leaf, residuals), opt_state, self.saved,
                                self.saved_specs, self.target.opt_state,
+                               _inner_mask(self.saved, self.per_host),
                                is_leaf=_is_allreduce_state))
+
+
+def _inner_mask(state, per_host: bool):
+  """``state`` with every leaf ``True`` where it belongs to a ``PeriodicState``'s ``inner``
+  optimizer state under per-host parameters (restored as the hosts' mean), else ``False``."""
+  periodic = lambda node: type(node).__name__ == "PeriodicState"
+  return jax.tree.map(
+      lambda node: (node._replace(**{field: jax.tree.map(lambda _: per_host and field == "inner",
+                                                         getattr(node, field))
+                                     for field in node._fields})
+                    if periodic(node) else False), state, is_leaf=periodic)
