@@ -1,12 +1,20 @@
 """hsdp_lm: the byte-level GPT (models/gpt.py) trained replicated and with HSDP, same seeds.
 
-Both runs use ``jaxcomm.data_parallel`` on a ``--hosts x --local`` simulated mesh with
+Default: both runs use ``jaxcomm.data_parallel`` on a ``--hosts x --local`` simulated mesh with
 ``compressed_allreduce(topk(--density))`` (error feedback) + AdamW and the same batches; the
 HSDP run adds ``shard_over='local'``. Prints the training loss every ``--log-every`` steps and
 the held-out loss (pydoc topics held out by topic) of both, and their largest parameter
 difference.
 
-Run: ``python -m benchmarks.hsdp_lm`` (CPU).
+``--methods a,b,...`` (names of :data:`benchmarks.scan.methods.REGISTRY`) instead trains the
+mesh scan's GPT task (``--size``, the scan's batches and held-out windows) once per method as
+the scan runs it (:func:`benchmarks.scan.run.run`: replicated parameters, or for the
+device-local methods one model per device) and once with ``shard_over='local'`` (for the
+periodic methods one model per *host*, docs/hsdp.md section 4), and prints one table row per
+method: both held-out losses and HSDP minus replicated, or why HSDP refused the method.
+
+Run: ``python -m benchmarks.hsdp_lm`` (CPU), or
+``python -m benchmarks.hsdp_lm --methods fp32-hier,topk-ef,diloco-h8 --size quick --steps 150``.
 """
 
 from __future__ import annotations
@@ -15,20 +23,9 @@ import argparse
 import os
 
 
-def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--hosts", type=int, default=2)
-  parser.add_argument("--local", type=int, default=4)
-  parser.add_argument("--size", default="default", choices=("quick", "default"))
-  parser.add_argument("--steps", type=int, default=100)
-  parser.add_argument("--batch", type=int, default=64)
-  parser.add_argument("--density", type=float, default=0.1)
-  parser.add_argument("--lr", type=float, default=3e-3)
-  parser.add_argument("--log-every", type=int, default=25)
-  args = parser.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def _one_pair(args) -> None:
+  """The default mode: top-k + EF + AdamW replicated and under HSDP, with the loss curves."""
   import jax
-  jax.config.update("jax_num_cpu_devices", args.hosts * args.local)
   import jax.numpy as jnp
   import optax
   import jaxcomm
@@ -60,6 +57,78 @@ def main() -> None:
   gap = max(float(jnp.max(jnp.abs(a - b))) for a, b in zip(
       jax.tree.leaves(trained["replicated"]), jax.tree.leaves(trained["hsdp"])))
   print(f"largest |replicated - hsdp| parameter difference: {gap:.2e}")
+
+
+def _hsdp_held_out(task, method, setting, mesh, steps: int) -> float:
+  """Held-out loss of ``method`` trained ``steps`` steps with ``shard_over='local'``."""
+  import jax
+  import jaxcomm
+  trainer = jaxcomm.data_parallel(task.loss_fn, method.build(setting), mesh, shard_over="local")
+  state = trainer.init(task.params)
+  for index in range(steps):
+    state, _ = trainer.step(state, task.batch(index))
+  return float(jax.jit(task.loss_fn)(trainer.model(state), task.held_out))
+
+
+def _per_method(args) -> None:
+  """One row per method: held-out loss replicated (as the scan runs it) and under HSDP."""
+  import jaxcomm
+  from benchmarks.scan import methods as registry
+  from benchmarks.scan.run import run
+  from benchmarks.scan.tasks import BATCH, TASKS
+  names = [name for name in args.methods.split(",") if name]
+  unknown = [name for name in names if name not in registry.REGISTRY]
+  if unknown:
+    raise SystemExit(f"--methods: unknown {unknown}; known: {sorted(registry.REGISTRY)}")
+  devices = args.hosts * args.local
+  mesh = jaxcomm.make_mesh(hosts=args.hosts, local=args.local)
+  task = TASKS["gpt"](args.size, BATCH["gpt"] * devices, args.steps, args.seed)
+  setting = registry.Setting(lr=task.lr, seed=args.seed, topk_density=args.topk_density,
+                             sketch_density=args.sketch_density, hosts=args.hosts,
+                             local=args.local, params=task.params, steps=args.steps)
+  print(f"{task.description}; {args.hosts}x{args.local} mesh, global batch "
+        f"{BATCH['gpt'] * devices}, {args.steps} steps, seed {args.seed}; held-out loss "
+        "(nats/byte)")
+  print("| method | replicated | HSDP | HSDP - replicated |")
+  print("|---|---|---|---|")
+  for name in names:
+    method = registry.REGISTRY[name]
+    replicated = run(task, method, mesh, setting, args.steps, 1)["held_out_loss"]
+    try:
+      sharded = _hsdp_held_out(task, method, setting, mesh, args.steps)
+    except ValueError as error:
+      print(f"| {name} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
+            flush=True)
+      continue
+    print(f"| {name} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |",
+          flush=True)
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--hosts", type=int, default=2)
+  parser.add_argument("--local", type=int, default=4)
+  parser.add_argument("--size", default="default", choices=("quick", "default"))
+  parser.add_argument("--steps", type=int, default=100)
+  parser.add_argument("--batch", type=int, default=64)
+  parser.add_argument("--density", type=float, default=0.1)
+  parser.add_argument("--lr", type=float, default=3e-3)
+  parser.add_argument("--log-every", type=int, default=25)
+  parser.add_argument("--methods", default="",
+                      help="comma-separated mesh-scan method names: per-method mode")
+  parser.add_argument("--seed", type=int, default=0, help="per-method mode: the task's seed")
+  parser.add_argument("--topk-density", type=float, default=0.01,
+                      help="per-method mode: as mesh_scan's")
+  parser.add_argument("--sketch-density", type=float, default=0.02,
+                      help="per-method mode: as mesh_scan's")
+  args = parser.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  import jax
+  jax.config.update("jax_num_cpu_devices", args.hosts * args.local)
+  if args.methods:
+    _per_method(args)
+  else:
+    _one_pair(args)
 
 
 if __name__ == "__main__":

@@ -18,6 +18,11 @@ and the bytes each device sends per step and axis, read from the compiled HLO by
 G ceil(d/G)`` (replicated: gradient reduce-scatter + mean all-gather; HSDP: parameter
 all-gather + gradient reduce-scatter).
 
+``--reshard`` adds a third mode, ``hsdp+reshard``: ``shard_over='local'`` with
+``reshard_after_forward=True`` (each leaf gathered where an operation reads it and gathered
+again for its backward pass; docs/hsdp.md, "Reshard after forward"), whose fast-axis formula
+is not printed (it depends on which leaves the backward pass reads).
+
 ``--model gpt`` measures the byte-level GPT of ``models/gpt.py`` instead (``--layers``
 blocks of ``--width``, 32-byte windows, tied embedding).
 
@@ -73,13 +78,15 @@ def _gpt(layers: int, width: int, batch_size: int):
 MODELS = {"mlp": _mlp, "gpt": _gpt}
 
 
-def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over):
+def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
+             reshard: bool = False):
   import jax
   import optax
   import jaxcomm
   params, loss_fn, batch = MODELS[model](layers, width, batch_size)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign()), optax.adamw(1e-3))
-  trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over)
+  trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over,
+                                  reshard_after_forward=reshard)
   state = trainer.init(params)
   compiled = trainer.step.lower(state, batch).compile()
   stats = compiled.memory_analysis()
@@ -104,6 +111,10 @@ def main() -> None:
   parser.add_argument("--layers", type=int, default=4)
   parser.add_argument("--width", type=int, default=512)
   parser.add_argument("--batch", type=int, default=64, help="global batch size")
+  parser.add_argument("--reshard", action="store_true",
+                      help="also measure shard_over='local' with reshard_after_forward=True")
+  parser.add_argument("--groups", default="",
+                      help="comma-separated fast-axis sizes G to measure (default: all)")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
@@ -117,10 +128,15 @@ def main() -> None:
   print("|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   groups = [g for g in (1, 2, 4, 8, 16) if args.devices % g == 0 and g <= args.devices]
+  if args.groups:
+    groups = [int(g) for g in args.groups.split(",")]
+  modes = [("replicated", None, False), ("hsdp", "local", False)]
+  if args.reshard:
+    modes.append(("hsdp+reshard", "local", True))
   for group in groups:
     mesh = jaxcomm.make_mesh(hosts=args.devices // group, local=group)
-    for mode, shard_over in (("replicated", None), ("hsdp", "local")):
-      m = _measure(mesh, args.model, args.layers, args.width, args.batch, shard_over)
+    for mode, shard_over, reshard in modes:
+      m = _measure(mesh, args.model, args.layers, args.width, args.batch, shard_over, reshard)
       state = m["params"] + m["moments"] + m["residuals"]
       peak = m["argument"] + m["output"] + m["temp"] - m["alias"]
       kib = lambda b: f"{b / 1024:.1f}"
@@ -133,7 +149,8 @@ def main() -> None:
   print("| H x G | mode | fast axis | formula | slow axis | both (loss pmean, non-finite flag) |")
   print("|---|---|---|---|---|---|")
   for shape, mode, m in rows:
-    print(f"| {shape} | {mode} | {m['fast'] / 1024:.2f} | {m['fast_formula'] / 1024:.2f} | "
+    formula = "" if mode == "hsdp+reshard" else f"{m['fast_formula'] / 1024:.2f}"
+    print(f"| {shape} | {mode} | {m['fast'] / 1024:.2f} | {formula} | "
           f"{m['slow'] / 1024:.2f} | {m['both']:.0f} B |")
 
 

@@ -109,6 +109,20 @@ def test_bytes_per_axis_equal_the_formulas(compressor):
   assert report[("host",)] == pytest.approx(rep_report[("host",)])
 
 
+def test_staleness_on_shards_keeps_its_history_per_shard_and_equals_its_replicated_run():
+  """DC-ASGD (tau 2, lambda 0.1) after the allreduce: its history buffers, shaped
+  (tau, shard) and made from shapes, are marked varying by on_shards.init because
+  tx.update returns them varying; 4 steps equal the replicated run."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = lambda: optax.chain(jaxcomm.compressed_allreduce(),
+                           jaxcomm.optim.staleness(2, compensation=0.1), optax.sgd(0.1))
+  replicated, rep_state, rep_losses = train(tx(), mesh, None)
+  sharded, state, losses = train(tx(), mesh, "local")
+  chex.assert_trees_all_close(sharded.model(state), replicated.model(rep_state), atol=1e-6)
+  assert losses == pytest.approx(rep_losses, rel=1e-6) and losses[-1] < losses[0]
+  assert state.opt_state[1].gradients["w"].sharding.spec == P("local")
+
+
 COMPRESSORS = {"topk_ef": lambda: jaxcomm.topk(0.5), "sign_ef": lambda: jaxcomm.sign(),
                "int8": lambda: jaxcomm.quantize(8)}
 

@@ -176,3 +176,77 @@ def test_a_dimension_split_checkpoint_restores_onto_another_mesh_shape(tmp_path,
                                 _pending(old_levels[name], 2, 4, size))
   _, loss = trainer.step(state, batch)
   assert jnp.isfinite(loss)
+
+
+def _rows(leaf, hosts, size):
+  """A per-host flat leaf as ``(hosts, size)``: each host's real entries."""
+  return jnp.asarray(leaf).reshape(hosts, -1)[:, :size]
+
+
+PER_HOST = {"diloco": lambda: jaxcomm.diloco(optax.adamw(3e-2), 2),
+            "sparseloco": lambda: jaxcomm.sparseloco(optax.adamw(3e-2), 2, density=0.5)}
+
+
+def _adam(inner):
+  return next(node for node in jax.tree.leaves(inner, is_leaf=lambda n: hasattr(n, "mu"))
+              if hasattr(node, "mu"))
+
+
+@pytest.mark.parametrize("method", sorted(PER_HOST))
+def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_path, method):
+  """DiLoCo and SparseLoCo (AdamW inner, period 2) saved on 2x4 after 3 steps, mid-period:
+  the two hosts' models differ. Restored on 4 x 2 (both H and G change), every new host holds
+  the saved hosts' mean model and the mean of their inner AdamW moments (real entries,
+  bit-identical), padded with zeros; the anchor and the counters are as saved; SparseLoCo's
+  error buffers keep every element's pending mass summed over hosts (residuals='sum',
+  bit-identical); the next step (the 4th) synchronizes as planned."""
+  hosts, local = 4, 2
+  params, loss_fn, batch = problem()
+  trainer = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
+                                  jaxcomm.make_mesh(hosts=2, local=4), shard_over="local")
+  state = trainer.init(params)
+  for _ in range(3):
+    state, _ = trainer.step(state, batch)
+  jaxcomm.checkpoint.save(tmp_path, 3, state)
+  sizes = {name: leaf.size for name, leaf in params.items()}
+  assert not jnp.array_equal(*_rows(state.params["w"], 2, sizes["w"]))  # the hosts differ
+  moved = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
+                                jaxcomm.make_mesh(hosts=hosts, local=local), shard_over="local")
+  restored = jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=PER_HOST[method](),
+                                        params=params, shard_over="local")
+  saved_adam, adam = _adam(state.opt_state.inner), _adam(restored.opt_state.inner)
+  for name, size in sizes.items():
+    for old, new in ((state.params, restored.params), (saved_adam.mu, adam.mu),
+                     (saved_adam.nu, adam.nu)):
+      assert new[name].shape == (hosts * padded(size, local),)
+      assert new[name].sharding.spec == P(("host", "local"))
+      mean = jnp.mean(_rows(old[name], 2, size), axis=0)
+      chex.assert_trees_all_equal(_rows(new[name], hosts, size), jnp.tile(mean, (hosts, 1)))
+      assert not jnp.any(new[name].reshape(hosts, -1)[:, size:])
+    chex.assert_trees_all_equal(restored.opt_state.anchor[name][:size],
+                                state.opt_state.anchor[name][:size])
+    if method == "sparseloco":
+      # the error buffers of the fragment's leaves, in jax.tree.leaves(params) order
+      old, new = (dict(zip(sorted(sizes), jax.tree.leaves(s.opt_state.sync[0].error)))[name]
+                  for s in (state, restored))
+      assert jnp.any(_pending(old, 2, 4, size))
+      chex.assert_trees_all_equal(_pending(new, hosts, local, size), _pending(old, 2, 4, size))
+  assert int(restored.opt_state.count) == int(state.opt_state.count) == 3
+  restored, loss = moved.step(restored, batch)
+  assert jnp.isfinite(loss)
+  w = _rows(restored.params["w"], hosts, sizes["w"])
+  chex.assert_trees_all_equal(w, jnp.tile(w[0], (hosts, 1)))  # synchronized at step 4
+  chex.assert_trees_all_close(restored.opt_state.anchor["w"][:sizes["w"]], w[0], atol=1e-6)
+
+
+def test_zero_one_adam_per_host_state_restores_on_the_saved_mesh_shape_only(tmp_path):
+  params, loss_fn, _ = problem()
+  tx = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2)
+  state = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
+                                shard_over="local").init(params)
+  jaxcomm.checkpoint.save(tmp_path, 0, state)
+  moved = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=4, local=2),
+                                shard_over="local")
+  with pytest.raises(ValueError, match="0/1 Adam's per-host momentum"):
+    jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=tx(), params=params,
+                               shard_over="local")

@@ -341,7 +341,12 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   first ``d`` entries are restored, zero-padded to ``G' ceil(d/G')``; a leaf split along a
   dimension keeps its shape and its moments are re-cut. The residuals follow ``residuals`` as
   above, each parameter leaf being one bucket (with ``bucket_bytes=``, only ``'reset'``).
-  Per-host parameters (local SGD, DiLoCo, 0/1 Adam) restore on the saved mesh shape only.
+  Per-host parameters (the periodic engine under ``shard_over``: local SGD, DiLoCo, SlowMo,
+  BMUF, FedAvg) restore as the mean of the saved hosts' models, the same on every new host,
+  and so does every per-host leaf of the inner optimizer's state (e.g. its Adam moments);
+  the anchor and the outer state are replicated over hosts and follow the flat rule, and
+  per-host residuals (SparseLoCo's error buffers) follow ``residuals``. 0/1 Adam's per-host
+  state restores on the saved mesh shape only.
   docs/hsdp.md, "Checkpoints".
 
   Args:
@@ -612,27 +617,42 @@ def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.A
                                           sharding)
 
 
-def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple:
-  """Per parameter leaf of ``target``, ``None`` (a flat shard) or the dimension split over
-  ``axis``; refuses a target :func:`restore` cannot map onto another mesh shape under
-  ``shard_over``: not a ``TrainState``, or per-host parameters."""
+def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple[tuple, bool]:
+  """``(dims, per_host)``: per parameter leaf of ``target``, ``None`` (a flat shard) or the
+  dimension split over ``axis``; and whether the parameters are per host (the periodic
+  engine's workers). Refuses a target :func:`restore` cannot map onto another mesh shape
+  under ``shard_over``: not a ``TrainState``, or 0/1 Adam's per-host state."""
   if not (hasattr(target, "params") and hasattr(target, "opt_state")):
     raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
                      "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
                      f"got {type(target).__name__}.")
   if axis not in saved_mesh:
     raise ValueError(f"shard_over={axis!r} is not an axis of the saved mesh {saved_mesh}.")
+  per_host = False
   for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
     spec = getattr(getattr(leaf, "sharding", None), "spec", ())
-    if len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1:
-      raise ValueError(f"restore(..., shard_over=) onto another mesh shape maps parameters "
-                       f"replicated over the hosts; params{jax.tree_util.keystr(path)} is "
-                       f"per host ({spec}: local SGD, DiLoCo, SlowMo): restore on the saved "
-                       "mesh shape.")
+    per_host = per_host or bool(len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1)
+  nodes = jax.tree.leaves(target.opt_state,
+                          is_leaf=lambda n: type(n).__name__ == "ZeroOneAdamState")
+  if per_host and any(type(node).__name__ == "ZeroOneAdamState" for node in nodes):
+    raise ValueError("restore(..., shard_over=) onto another mesh shape maps the per-host "
+                     "state of the periodic-averaging engine (local SGD, DiLoCo, SlowMo, BMUF, "
+                     "FedAvg); 0/1 Adam's per-host momentum, anchor and two-phase residuals "
+                     "are not mapped: restore on the saved mesh shape.")
   # A 1-D leaf split along its only dimension is laid out as a flat shard is.
   return tuple(None if len(leaf.shape) == 1 else
                next(i for i, entry in enumerate(leaf.sharding.spec) if entry == axis)
-               for leaf in jax.tree.leaves(target.params))
+               for leaf in jax.tree.leaves(target.params)), per_host
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2, 3, 4), static_argnames="sharding")
+def _host_mean(flat: jax.Array, hosts: int, elements: int, length: int, new_hosts: int, *,
+               sharding) -> jax.Array:
+  """A per-host flat leaf (``hosts`` rows) as the mean of its rows, its first ``elements``
+  entries kept, zero-padded to ``length`` and tiled for ``new_hosts``, on ``sharding``."""
+  mean = jnp.mean(flat.reshape(hosts, -1), axis=0)[:elements]
+  return jax.lax.with_sharding_constraint(
+      jnp.tile(jnp.pad(mean, (0, length - elements)), new_hosts), sharding)
 
 
 class _ShardedLayout:
@@ -650,21 +670,28 @@ class _ShardedLayout:
   ``(h, i)``'s slow-level residual covers elements ``[i n, (i+1) n)``, ``n = ceil(d/G)``, of
   host ``h``'s leaf (of the leaf with its split dimension moved first, for a split leaf),
   which is the replicated path's layout after its reduce-scatter with the leaf as the bucket.
+  Per-host parameters (the periodic engine's hosts as workers, ``P((slow, axis))``) and the
+  per-host leaves of the inner optimizer's state (its moments) restore as the mean over the
+  saved hosts, the same on every new host (:func:`_host_mean`); per-host residuals (e.g.
+  SparseLoCo's error buffers) follow ``residuals``, as PowerSGD's do.
   """
 
   def __init__(self, tx, params, axis: str, saved_mesh: dict[str, int], target):
-    dims = _split_dims(target, axis, saved_mesh)
+    dims, self.per_host = _split_dims(target, axis, saved_mesh)
     self.mesh, self.target, self.axis = _target_mesh(target), target, axis
     leaves, self.treedef = jax.tree.flatten(params)
     shapes = tuple(tuple(jnp.shape(leaf)) for leaf in leaves)
-    layout = hsdp.ShardLayout(shapes, axis, dims)
+    slow = tuple(a for a in saved_mesh if a != axis)
+    layout = hsdp.ShardLayout(shapes, axis, dims, slow if self.per_host else ())
     self.leaves = [(math.prod(shape), jnp.result_type(leaf), shape, dim)
                    for leaf, shape, dim in zip(leaves, shapes, dims)]
-    self.tx, self.spec = hsdp.on_shards(tx, layout), hsdp.layout_specs(self._shards(1), layout)
-    self.saved_group = saved_mesh[axis]
-    self.saved = _traced_state(self.tx, self._shards(self.saved_group), self.spec, saved_mesh)
-    self.saved_specs = state_specs(self.tx, self._shards(self.saved_group),
-                                   _abstract_mesh(saved_mesh), self.spec)
+    self.tx = hsdp.on_shards(tx, layout)
+    self.spec = hsdp.layout_specs(self._shards(1, 1), layout)
+    self.saved_group, self.saved_hosts = saved_mesh[axis], math.prod(saved_mesh[a] for a in slow)
+    self.hosts = self.mesh.size // self.mesh.shape[axis]
+    saved_shards = self._shards(self.saved_hosts, self.saved_group)
+    self.saved = _traced_state(self.tx, saved_shards, self.spec, saved_mesh)
+    self.saved_specs = state_specs(self.tx, saved_shards, _abstract_mesh(saved_mesh), self.spec)
     if jax.tree.structure(self.saved) != jax.tree.structure(target.opt_state):
       raise ValueError(
           f"shard_over={axis!r}: tx's state has another structure on the saved mesh "
@@ -672,9 +699,10 @@ class _ShardedLayout:
           "factorizes a leaf whose columns split over one fast-axis size but not the other, "
           "and sends it dense there): restore onto a mesh whose fast axis splits the same "
           "leaves.")
-    self.unit = _traced_state(self.tx, self._shards(1), self.spec, dict.fromkeys(saved_mesh, 1))
+    self.unit = _traced_state(self.tx, self._shards(1, 1), self.spec,
+                              dict.fromkeys(saved_mesh, 1))
     zeros = jax.tree.map(lambda p: np.zeros(p.shape, p.dtype),
-                         self._shards(self.mesh.shape[axis]))
+                         self._shards(self.hosts, self.mesh.shape[axis]))
     fresh = sharded_init(self.tx, zeros, self.mesh, self.spec)[0]
     blocks = tuple((shape, dim) if dim else None for shape, dim in zip(shapes, dims))
     # Saved shape of a split leaf's stacked blocks -> (leaf shape, split dimension).
@@ -683,25 +711,37 @@ class _ShardedLayout:
     self.allreduce = _Layout(_allreduce_states(self.saved), _allreduce_states(self.unit),
                              _allreduce_states(fresh), saved_mesh, self.mesh, blocks)
 
-  def _shards(self, group: int):
-    """Abstract parameter shards on a fast axis of ``group`` devices: flat, or full-shaped."""
+  def _shards(self, hosts: int, group: int):
+    """Abstract parameter shards on a fast axis of ``group`` devices: flat (one copy per host
+    of ``hosts`` when per host), or full-shaped."""
+    copies = hosts if self.per_host else 1
     return self.treedef.unflatten([
-        jax.ShapeDtypeStruct((group * -(-size // group),) if dim is None else shape, dtype)
+        jax.ShapeDtypeStruct((copies * group * -(-size // group),) if dim is None else shape,
+                             dtype)
         for size, dtype, shape, dim in self.leaves])
+
+  def _host_mean(self, value, elements: int, target) -> jax.Array:
+    """A per-host flat leaf: the mean over the saved hosts, laid out like ``target``."""
+    return _host_mean(value, self.saved_hosts, elements, target.shape[0] // self.hosts,
+                      self.hosts, sharding=target.sharding)
 
   def saved_target(self, target):
     place = lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype,
                                            sharding=self.allreduce._placement(s.shape))
-    return target._replace(params=jax.tree.map(place, self._shards(self.saved_group)),
+    saved_shards = self._shards(self.saved_hosts, self.saved_group)
+    return target._replace(params=jax.tree.map(place, saved_shards),
                            opt_state=jax.tree.map(place, self.saved))
 
-  def _leaf(self, residuals: str, value, saved, saved_spec, target):
+  def _leaf(self, residuals: str, value, saved, saved_spec, target, inner: bool):
     """One leaf laid out like ``target``. A 1-D leaf sharded over the axis on the saved mesh is
     a flat shard of some parameter of ``d`` elements, saved with ``L >= d`` entries per host
     and wanted with ``L' >= d``: replicated over the slow axis (parameters, Adam moments), its
-    first ``min(L, L')`` entries are kept and zero-padded; per host (PowerSGD's residual) it
-    is mapped by ``residuals`` as an error-feedback residual of ``min(L, L')`` elements
-    (:func:`_moved_residual`); either way the ``d`` real entries are exact. A
+    first ``min(L, L')`` entries are kept and zero-padded; per host and ``inner`` (the
+    periodic engine's inner optimizer state beside per-host parameters), the mean of the
+    hosts' first ``min(L, L')`` entries, zero-padded, on every new host; per host otherwise
+    (PowerSGD's residual, SparseLoCo's error buffer) it is mapped by ``residuals`` as an
+    error-feedback residual of ``min(L, L')`` elements (:func:`_moved_residual`); either way
+    the ``d`` real entries are exact. A
     compressed_allreduce state (mapped already) or any other leaf is kept as it is (e.g.
     PowerSGD's ``Q``, replicated over hosts: its rows are re-sharded)."""
     if _is_allreduce_state(value):
@@ -717,6 +757,9 @@ class _ShardedLayout:
     if over == (self.axis,):
       kept = min(saved.shape[0], target.shape[0])
       return _repadded(value, kept, target.shape[0], sharding=sharding)
+    if inner:
+      kept = min(saved.shape[0] // self.saved_hosts, target.shape[0] // self.hosts)
+      return self._host_mean(value, kept, target)
     if residuals == "reset":
       return jax.device_put(jnp.zeros(target.shape, target.dtype), sharding)
     (hosts, _), (new_hosts, _) = self.allreduce.saved_sizes, self.allreduce.sizes
@@ -734,6 +777,7 @@ class _ShardedLayout:
                        f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
     opt_state = self.allreduce.mapped(restored.opt_state, residuals)
     params = [jax.device_put(value, target.sharding) if dim is not None else
+              self._host_mean(value, size, target) if self.per_host else
               _repadded(value, size, target.shape[0], sharding=target.sharding)
               for value, (size, _, _, dim), target in zip(
                   jax.tree.leaves(restored.params), self.leaves,
@@ -742,4 +786,16 @@ class _ShardedLayout:
         params=self.treedef.unflatten(params),
         opt_state=jax.tree.map(functools.partial(self._leaf, residuals), opt_state, self.saved,
                                self.saved_specs, self.target.opt_state,
+                               _inner_mask(self.saved, self.per_host),
                                is_leaf=_is_allreduce_state))
+
+
+def _inner_mask(state, per_host: bool):
+  """``state`` with every leaf ``True`` where it belongs to a ``PeriodicState``'s ``inner``
+  optimizer state under per-host parameters (restored as the hosts' mean), else ``False``."""
+  periodic = lambda node: type(node).__name__ == "PeriodicState"
+  return jax.tree.map(
+      lambda node: (node._replace(**{field: jax.tree.map(lambda _: per_host and field == "inner",
+                                                         getattr(node, field))
+                                     for field in node._fields})
+                    if periodic(node) else False), state, is_leaf=periodic)

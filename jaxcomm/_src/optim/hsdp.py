@@ -34,7 +34,7 @@ from jaxcomm._src.collectives.hierarchical import prescattered
 from jaxcomm._src.collectives.powersgd import PowerSGDLeafState
 from jaxcomm._src.compress.powersgd import compression_rate, initial_q, matrix_shape, orthogonalize
 from jaxcomm._src.keys import nth_key
-from jaxcomm._src.mesh_axes import vary, vary_tree
+from jaxcomm._src.mesh_axes import manual_axes, vary, vary_tree
 from jaxcomm._src.nonfinite import any_nonfinite, keep_if
 from jaxcomm._src.optim.sharding import sharded_init, state_specs
 
@@ -269,7 +269,9 @@ def on_shards(tx: optax.GradientTransformation,
 
   ``init`` marks as varying over ``axis`` every floating-point state leaf shaped like a shard
   that ``tx.init`` made from the shapes alone (``jnp.zeros(p.shape)`` is the same on every
-  device, but under sharding such a leaf belongs to this device's shard).
+  device, but under sharding such a leaf belongs to this device's shard), and every state
+  leaf that ``tx.update`` (traced, not run) returns varying over ``axis`` (e.g. a history
+  buffer of the last ``tau`` gradient shards, shaped ``(tau, n)``).
   """
 
   axis = layout.axis
@@ -284,7 +286,13 @@ def on_shards(tx: optax.GradientTransformation,
         return vary(leaf, (axis,))
       return leaf
 
-    return jax.tree.map(per_shard, state)
+    state = jax.tree.map(per_shard, state)
+    grads = vary_tree(params, manual_axes("on_shards.init"))  # as the step passes them
+    with _sharded(layout):
+      updated = jax.make_jaxpr(lambda s: tx.update(grads, s, params)[1])(state).out_avals
+    return jax.tree.unflatten(jax.tree.structure(state), [
+        vary(leaf, (axis,)) if axis in new.mat.varying else leaf
+        for leaf, new in zip(jax.tree.leaves(state), updated)])
 
   def update(grads, state, params=None):
     group = jax.lax.axis_size(axis)
