@@ -147,7 +147,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
       return 4 * num_elements(shape)
     return 4 * rank * max(matrix_shape(tuple(shape))) + 8
 
-  options = f", scale=True" if scale else ""
+  options = ", scale=True" if scale else ""
   return Compressor(init=init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=True, unbiased=scale, name=f"gradzip({rank}{options})",
                     matrix_method=GradZipMethod(rank))
