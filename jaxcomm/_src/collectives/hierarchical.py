@@ -261,6 +261,8 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
   Returns:
     ``(means, new_states)``: one entry per array.
   """
+  if not xs:  # an empty gradient tree: nothing to reduce
+    return [], []
   topologies = [check_levels(levels) for levels in topologies]
   axes = [lv.axis for lv in topologies[0]]
   if any([lv.axis for lv in levels] != axes for levels in topologies):

@@ -14,7 +14,8 @@ from jaxcomm._src.mesh_axes import require_axes, require_varying
 from jaxcomm._src.collectives.hierarchical import (Level, check_levels,
                                                    hierarchical_allreduce_many, init_states,
                                                    level)
-from jaxcomm._src.collectives.strategies import Strategy, TwoPhaseState, as_strategy
+from jaxcomm._src.collectives.strategies import (Strategy, TwoPhaseState, as_strategy,
+                                                   check_strategy)
 from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.validation import check_dtype, check_float_tree
 from jaxcomm._src.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
@@ -149,6 +150,8 @@ def _leaf_topologies(compressor, strategy, feedback, levels, fast_axis, slow_axi
   _check_two_level_axes(fast_axis, slow_axis)
 
   def make(choice):
+    if strategy is not None:  # checked on the user's compressor, before any feedback wrapping
+      check_strategy(strategy, choice)
     mode = _feedback_for(feedback, choice)
     if mode == "estimate":
       choice = estimate_feedback(choice)
