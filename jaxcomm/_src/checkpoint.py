@@ -23,6 +23,8 @@ from jaxcomm._src.collectives.strategies import TwoPhaseState
 from jaxcomm._src.compress.error_feedback import ErrorFeedbackState, EstimateFeedbackState
 from jaxcomm._src.optim import hsdp
 from jaxcomm._src.optim.compressed_allreduce import CompressedAllReduceState
+from jaxcomm._src.optim.periodic import PeriodicState
+from jaxcomm._src.optim.zero_one_adam import ZeroOneAdamState
 from jaxcomm._src.optim.sharding import sharded_init, state_specs
 
 try:
@@ -632,9 +634,8 @@ def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple[tuple, b
   for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
     spec = getattr(getattr(leaf, "sharding", None), "spec", ())
     per_host = per_host or bool(len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1)
-  nodes = jax.tree.leaves(target.opt_state,
-                          is_leaf=lambda n: type(n).__name__ == "ZeroOneAdamState")
-  if per_host and any(type(node).__name__ == "ZeroOneAdamState" for node in nodes):
+  nodes = jax.tree.leaves(target.opt_state, is_leaf=lambda n: isinstance(n, ZeroOneAdamState))
+  if per_host and any(isinstance(node, ZeroOneAdamState) for node in nodes):
     raise ValueError("restore(..., shard_over=) onto another mesh shape maps the per-host "
                      "state of the periodic-averaging engine (local SGD, DiLoCo, SlowMo, BMUF, "
                      "FedAvg); 0/1 Adam's per-host momentum, anchor and two-phase residuals "
@@ -793,7 +794,7 @@ class _ShardedLayout:
 def _inner_mask(state, per_host: bool):
   """``state`` with every leaf ``True`` where it belongs to a ``PeriodicState``'s ``inner``
   optimizer state under per-host parameters (restored as the hosts' mean), else ``False``."""
-  periodic = lambda node: type(node).__name__ == "PeriodicState"
+  periodic = lambda node: isinstance(node, PeriodicState)
   return jax.tree.map(
       lambda node: (node._replace(**{field: jax.tree.map(lambda _: per_host and field == "inner",
                                                          getattr(node, field))
