@@ -242,7 +242,9 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
   spikes = np.array([7, 100, 333, 512, 999])
   x = 0.01 * jax.random.normal(jax.random.PRNGKey(4), (size,))
   x = x.at[spikes].set(jnp.array([10.0, -8.0, 6.0, -12.0, 9.0]))
-  compressor = count_sketch(64, 5, heavy=5 / size)
+  # Width 512: a non-spike element whose median estimate is a spike's needs collisions with
+  # spikes in 3 of the 5 rows, about 10 (5/512)^3 per element, so < 1% of keys fail.
+  compressor = count_sketch(512, 5, heavy=5 / size)
   state = compressor.init((size,), jnp.float32)
   encode = jax.jit(lambda x: compressor.encode(x, state, None)[0])
   payload = encode(x)
@@ -258,6 +260,24 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
   np.testing.assert_allclose(single_row.decode(both, (size,)),
                              single_row.decode(first, (size,)) + single_row.decode(second, (size,)),
                              atol=1e-5)
+
+
+def test_count_sketch_draws_new_hashes_each_step_and_one_row_is_unbiased_over_steps():
+  size, width, steps = 512, 64, 400
+  x = jax.random.normal(jax.random.PRNGKey(5), (size,))
+  compressor = count_sketch(width, 1)
+
+  def step(state, _):
+    payload, state = compressor.encode(x, state, None)
+    return state, (payload.key, compressor.decode(payload, (size,)))
+
+  _, (keys, estimates) = jax.jit(lambda s: jax.lax.scan(step, s, None, length=steps))(
+      compressor.init((size,), jnp.float32))
+  assert len({tuple(np.asarray(k)) for k in keys}) == steps
+  # Each step's estimate has variance up to ||x||^2 / width per element: the mean of `steps`
+  # independent draws is within 5 standard errors of x.
+  bound = 5 * float(jnp.linalg.norm(x)) / np.sqrt(width * steps)
+  assert float(jnp.max(jnp.abs(jnp.mean(estimates, 0) - x))) < bound
 
 
 def test_shared_quantize_sums_in_int8_exactly_and_is_unbiased():

@@ -19,10 +19,10 @@ class CountSketchState(NamedTuple):
   """State of a count sketch.
 
   Attributes:
-    key: uint32 of shape ``(2,)``: the raw PRNG key of the hashes, made from ``seed`` and the
-      tensor size by ``init``; the same on every device and at every step. (Kept as data
-      rather than recomputed from the seed so that XLA does not constant-fold the hashing
-      of millions of elements at compile time.)
+    key: uint32 of shape ``(2,)``: the raw PRNG key of the next call's hashes, made from
+      ``seed`` and the tensor size by ``init`` and split by every ``encode``: the same on every
+      device, new at every step. (Kept as data rather than recomputed from the seed so that
+      XLA does not constant-fold the hashing of millions of elements at compile time.)
   """
   key: jax.Array
 
@@ -32,8 +32,8 @@ class CountSketchPayload(NamedTuple):
 
   Attributes:
     table: float32 of shape ``(depth, width)``: ``S[j, h_j(i)] += s_j(i) x_i``.
-    key: uint32 of shape ``(2,)``: the hash key, identical on every device, so a ``psum``
-      keeps it (see ``REPLICATED``) and sums the tables.
+    key: uint32 of shape ``(2,)``: the key the hashes were drawn from, identical on every
+      device, so a ``psum`` keeps it (see ``REPLICATED``) and sums the tables.
   """
   table: jax.Array
   key: jax.Array
@@ -90,19 +90,25 @@ def median_of_rows(rows) -> jax.Array:
 
 def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
                  seed: int | jax.Array = 0) -> Compressor:
-  """Count sketch with ``depth`` rows of ``width`` buckets; hashes from a shared seed.
+  """Count sketch with ``depth`` rows of ``width`` buckets; hashes from a shared seed, drawn
+  anew at every call.
 
   Encode: ``S[j, h_j(i)] += s_j(i) x_i`` for every row ``j``. Decode: the estimate
   ``x^_i = median_j s_j(i) S[j, h_j(i)]``; with ``heavy``, only the ``max(1, floor(heavy * d))``
   largest estimates are kept (heavy-hitter recovery, as in Sketched-SGD and FetchSGD) and the
   others are 0.
 
-  Properties: linear: ``sketch(x1 + x2) = sketch(x1) + sketch(x2)``, so sketches are
-  ``psum``-ed and decoded once (decode itself is linear only for ``depth = 1`` without
-  ``heavy``). Biased (the hashes are fixed, the median and the selection are not linear). Each
-  row's estimate has error variance at most ``||x||_2^2 / width``; with ``width >= 3 / eps^2``
-  the median errs by more than ``eps ||x||_2`` with probability at most ``exp(-depth / 18)``
-  per element.
+  Properties: linear: ``sketch(x1 + x2) = sketch(x1) + sketch(x2)`` for one call's hashes,
+  so the devices' sketches are ``psum``-ed and decoded once (decode itself is linear only for
+  ``depth = 1`` without ``heavy``). The hashes come from the state's key, split at every call:
+  the same on every device, new at every step, so one step's error is not repeated at the
+  next (with fixed hashes every decoded step of one row lies in the same ``width``-dimensional
+  subspace). One row without ``heavy`` is unbiased over the hash draw, with error variance up
+  to ``||x||_2^2 / width`` per element: more than ``||x||^2`` in all unless ``width >= d``,
+  so it is not contractive and is flagged ``unbiased=False`` (error feedback in front of it
+  would grow without bound); the median and the selection are biased. With
+  ``width >= 3 / eps^2`` the median errs by more than ``eps ||x||_2`` with probability at most
+  ``exp(-depth / 18)`` per element.
 
   Bytes: ``4 * depth * width + 8``, independent of ``d``.
 
@@ -140,6 +146,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   # runtime allocates (and page-faults) afresh on every call; per chunk they stay in cache.
   def encode(x: jax.Array, state: CountSketchState, key: jax.Array):
     del key
+    next_key, hash_key = jax.random.split(state.key)
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
     count, chunk = _chunked(size)
@@ -149,7 +156,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
       start, chunk_values = item
       rows = []
       for row in range(depth):
-        buckets, signs = sketch_hashes(state.key, row * size + start, chunk, width)
+        buckets, signs = sketch_hashes(hash_key, row * size + start, chunk, width)
         rows.append(table[row].at[buckets].add(signs * chunk_values))
       return jnp.stack(rows), None
 
@@ -157,7 +164,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
     table, _ = jax.lax.scan(add_chunk, jnp.zeros_like(flat, shape=(depth, width)),
                             (starts, values))
-    return CountSketchPayload(table, state.key), state
+    return CountSketchPayload(table, hash_key), CountSketchState(next_key)
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
