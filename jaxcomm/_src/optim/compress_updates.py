@@ -103,7 +103,8 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
       the host mean, ``s^2 / G`` from the sample variance ``s^2`` of the host's ``G >= 2``
       device gradients) and ``hosts`` (``H``), for :func:`jaxcomm.optim.host_adamw`, whose
       second moment then estimates the global mean gradient's. ``inner`` must be an
-      ``optax.GradientTransformationExtraArgs``.
+      ``optax.GradientTransformationExtraArgs``; transformations in it that do not take these
+      keywords ignore them (``optax.adamw`` is unchanged by them).
     fast_axis: the intra-host mesh axis.
     slow_axis: the inter-host mesh axis.
     **allreduce_options: further keywords of :func:`jaxcomm.compressed_allreduce`
