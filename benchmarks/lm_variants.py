@@ -6,7 +6,8 @@ keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.0
 (``sparseloco-hH``: ``H`` is the period; keys: ``density``, ``bits``, ``beta``, ``alpha``,
 ``chunk``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``, ``weight_decay``;
 ``compress-updates``, :func:`jaxcomm.optim.compress_updates` of AdamW: ``topk`` (fraction),
-``sign``, ``feedback``; ``topk-ef``, top-k in front of AdamW
+``sign``, ``feedback``, ``debias`` (``True``: :func:`jaxcomm.optim.host_adamw` with
+``host_variance=True``); ``topk-ef``, top-k in front of AdamW
 (:func:`jaxcomm.compressed_allreduce`, gather): ``feedback``). Every other
 flag is mesh_scan's; the variants are registered for this process only, so the registry that
 the tests scan stays as it is::
@@ -30,7 +31,7 @@ from benchmarks.scan import methods
 _DEMO = {"beta": float, "chunk": int, "topk": int, "sign": lambda v: v == "True",
          "weight_decay": float}
 _COMPRESS_UPDATES = {"topk": float, "sign": lambda v: v == "True", "rsign": float,
-                     "feedback": str}
+                     "feedback": str, "debias": lambda v: v == "True"}
 _TOPK_EF = {"feedback": str}
 _SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int}
 
@@ -65,7 +66,7 @@ def variant(name: str) -> methods.Method:
   if base == "compress-updates":
     kw = _kwargs(name, _COMPRESS_UPDATES)
     return _compress_updates(name, kw.get("feedback", "residual"), **{
-        key: kw[key] for key in ("topk", "sign", "rsign") if key in kw})
+        key: kw[key] for key in ("topk", "sign", "rsign", "debias") if key in kw})
   if base == "topk-ef":
     feedback = _kwargs(name, _TOPK_EF).get("feedback", True)
     return methods._compressed(name, f"top-k across hosts, gather, feedback={feedback!r}",
@@ -76,11 +77,12 @@ def variant(name: str) -> methods.Method:
 
 
 def _compress_updates(name: str, feedback: str, topk: float | None = None, sign: bool = False,
-                      rsign: float | None = None):
+                      rsign: float | None = None, debias: bool = False):
   """AdamW per host, its updates compressed across hosts with error feedback
   (:func:`jaxcomm.optim.compress_updates`): top-k of a ``topk`` fraction, scaled sign, the
   scaled sign of a shared random ``rsign`` fraction (a new subset each step, no indices
-  sent), or full precision."""
+  sent), or full precision; with ``debias`` the host's second moment corrected to the global
+  mean's (:func:`jaxcomm.optim.host_adamw`, ``host_variance=True``)."""
   if topk:
     make = lambda: jaxcomm.topk(topk)  # noqa: E731
   elif rsign:
@@ -95,8 +97,9 @@ def _compress_updates(name: str, feedback: str, topk: float | None = None, sign:
 
   return methods.Method(
       name, "AdamW per host, updates compressed across hosts with error feedback",
-      lambda s: jaxcomm.optim.compress_updates(optax.adamw(s.lr), make(), feedback=feedback,
-                                               strategy=strategy, seed=s.seed), project)
+      lambda s: jaxcomm.optim.compress_updates(
+          (jaxcomm.optim.host_adamw if debias else optax.adamw)(s.lr), make(),
+          feedback=feedback, host_variance=debias, strategy=strategy, seed=s.seed), project)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

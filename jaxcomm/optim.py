@@ -12,6 +12,7 @@ from jaxcomm._src.optim.diloco import diloco, streaming_diloco
 from jaxcomm._src.optim.fedavg import fedavg, fedprox
 from jaxcomm._src.optim.gossip import GRAPHS, GossipState, check_mixing_matrix, gossip
 from jaxcomm._src.optim.gradients import local_grad, local_value_and_grad
+from jaxcomm._src.optim.host_adam import ScaleByHostAdamState, host_adamw, scale_by_host_adam
 from jaxcomm._src.optim.local_sgd import local_sgd
 from jaxcomm._src.optim.local_training import (consensus_distance, device_mean, local_training_step,
                                                to_device_local)
@@ -43,4 +44,5 @@ __all__ = [
     "ZeroOneAdamState", "zero_one_adam",
     "DeMoState", "demo", "SparseLoCoSyncState", "sparseloco", "streaming_diloco",
     "CompressUpdatesState", "compress_updates",
+    "ScaleByHostAdamState", "host_adamw", "scale_by_host_adam",
 ]

@@ -97,3 +97,59 @@ def test_bad_input_raises_naming_the_argument():
     jaxcomm.optim.compress_updates(optax.adam(1e-3), jaxcomm.powersgd(1))
   with pytest.raises(ValueError, match="feedback"):
     jaxcomm.optim.compress_updates(optax.adam(1e-3), jaxcomm.topk(0.1), feedback="late")
+  with pytest.raises(TypeError, match="host_variance=True"):
+    jaxcomm.optim.compress_updates(optax.GradientTransformation(*optax.adam(1e-3)[:2]),
+                                   host_variance=True)
+  with pytest.raises(ValueError, match="b2 must be in"):
+    jaxcomm.optim.host_adamw(1e-3, b2=1.0)
+  with pytest.raises(TypeError, match="host_variance= and hosts="):
+    tx = jaxcomm.optim.scale_by_host_adam()
+    tx.update(PARAMS, tx.init(PARAMS))
+
+
+def test_host_variance_is_the_variance_of_the_host_mean():
+  """An inner optimizer that returns the ``host_variance`` it is given: the output is its mean
+  over hosts, ``mean_h var(g_h,d, ddof=1) / G``."""
+  report = optax.GradientTransformationExtraArgs(
+      lambda params: optax.EmptyState(),
+      lambda updates, state, params=None, *, host_variance, hosts: (
+          jax.tree.map(lambda v: v * hosts / 2, host_variance), state))
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params, _ = _train(jaxcomm.optim.compress_updates(report, host_variance=True), mesh,
+                     steps=1)[-1]
+  for key in PARAMS:
+    grads = np.asarray(_grads(0, 8)[key]).reshape(2, 4, -1)
+    want = (grads.var(axis=1, ddof=1) / 4).mean(axis=0).reshape(PARAMS[key].shape)
+    np.testing.assert_allclose(np.asarray(params[key] - PARAMS[key]), want, rtol=1e-5,
+                               atol=1e-6)
+
+
+def test_host_adamw_is_adamw_without_device_noise():
+  """Every device of a host with the same gradient: the host mean has no estimated variance
+  and ``host_adamw`` is ``optax.adamw``."""
+  def shared(step, devices):
+    return jax.tree.map(lambda g: jnp.repeat(g[:2], devices // 2, axis=0), _grads(step, 2))
+
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  want = _train(jaxcomm.optim.compress_updates(optax.adamw(1e-2, weight_decay=0.1)), mesh,
+                grads=shared)[-1][0]
+  got = _train(jaxcomm.optim.compress_updates(jaxcomm.optim.host_adamw(1e-2, weight_decay=0.1),
+                                              host_variance=True), mesh, grads=shared)[-1][0]
+  chex.assert_trees_all_close(got, want, rtol=1e-6, atol=1e-7)
+
+
+def test_scale_by_host_adam_subtracts_the_excess_variance():
+  """Two steps against the formula: ``m_hat / (sqrt(max(v_hat - (1 - 1/H) w_hat, v_hat / H))
+  + eps)``, one coordinate on the floor."""
+  tx = jaxcomm.optim.scale_by_host_adam(b1=0.5, b2=0.75, eps=0.0)
+  g = [jnp.array([1.0, -2.0, 0.5]), jnp.array([3.0, 1.0, -0.5])]
+  w = [jnp.array([0.5, 1.0, 0.0]), jnp.array([0.25, 100.0, 0.0])]
+  state = tx.init(g[0])
+  for t in range(2):
+    out, state = tx.update(g[t], state, host_variance=w[t], hosts=4)
+  m = 0.5 * 0.5 * g[0] + 0.5 * g[1]
+  v = 0.75 * 0.25 * g[0] ** 2 + 0.25 * g[1] ** 2
+  noise = 0.75 * 0.25 * w[0] + 0.25 * w[1]
+  v_global = np.maximum(v - 0.75 * noise, v / 4) / (1 - 0.75 ** 2)
+  np.testing.assert_allclose(out, m / (1 - 0.25) / np.sqrt(v_global), rtol=1e-6)
+  assert v[1] - 0.75 * noise[1] < v[1] / 4  # the floor acted on one coordinate

@@ -42,9 +42,24 @@ def _at_least_1d(tree):
   return jax.tree.map(jnp.atleast_1d, tree)
 
 
+def _host_variance(grads, host_mean, fast_axis: str, slow_axis: str) -> dict:
+  """``{'host_variance': s^2 / G, 'hosts': H}``: the variance of the host mean from the
+  sample variance of the host's ``G`` device gradients (one fp32 all-reduce over
+  ``fast_axis``)."""
+  local = jax.lax.axis_size(fast_axis)
+  if local < 2:
+    raise ValueError(f"host_variance=True needs >= 2 devices on {fast_axis!r}, got {local}.")
+  squares = jax.lax.pmean(jax.tree.map(lambda g: jnp.square(jnp.atleast_1d(g)), grads),
+                          fast_axis)
+  variance = jax.tree.map(lambda q, m: jnp.maximum(q - m * m, 0) / (local - 1), squares,
+                          host_mean)
+  return {"host_variance": variance, "hosts": jax.lax.axis_size(slow_axis)}
+
+
 def compress_updates(inner: optax.GradientTransformation, compressor: Compressor | None = None,
-                     *, feedback: bool | str = "residual", fast_axis: str = LOCAL_AXIS,
-                     slow_axis: str = HOST_AXIS, **allreduce_options
+                     *, feedback: bool | str = "residual", host_variance: bool = False,
+                     fast_axis: str = LOCAL_AXIS, slow_axis: str = HOST_AXIS,
+                     **allreduce_options
                      ) -> optax.GradientTransformation:
   """Runs ``inner`` per host on the host's mean gradient; averages its updates across hosts
   through :func:`jaxcomm.compressed_allreduce` with error feedback.
@@ -62,13 +77,16 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   momentum included) too (both equal to float32 rounding, tested). With several hosts and Adam,
   each host's moments see its own mean gradient (``1/H`` of the global batch), not the global
   one: the uncompressed form is itself a (close) variant of data-parallel Adam, measured in
-  docs/results.md.
+  docs/results.md. Its second moment is inflated by the host mean's larger noise;
+  ``host_variance=True`` with :func:`jaxcomm.optim.host_adamw` corrects it (docs/quality.md,
+  section 10).
 
   Bytes per device and step: the host mean ``2 (G-1)/G D`` over ``fast_axis``, then those of
   ``compressed_allreduce`` on the updates (``D`` bytes): ``(G-1)/G D`` reduce-scatter and
   all-gather over ``fast_axis`` and, over ``slow_axis``, ``(H-1) c`` with ``gather`` for a
-  payload of ``c`` bytes per ``1/G`` shard. Memory: the inner state per device plus the
-  allreduce's residual shard.
+  payload of ``c`` bytes per ``1/G`` shard; ``host_variance=True`` adds one more
+  ``2 (G-1)/G D`` all-reduce over ``fast_axis`` (no inter-host byte). Memory: the inner state
+  per device plus the allreduce's residual shard.
 
   Args:
     inner: the optimizer, e.g. ``optax.adamw(3e-3)`` (its output is applied as is) or
@@ -81,6 +99,12 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
     feedback: as in :func:`jaxcomm.compressed_allreduce`; ``'residual'`` by default (the
       update is the last thing the optimizer produces, so conserving its mass is what holds
       the trajectory; an EF21 estimate would return a lagging estimate instead).
+    host_variance: also pass ``inner.update`` the keywords ``host_variance`` (the variance of
+      the host mean, ``s^2 / G`` from the sample variance ``s^2`` of the host's ``G >= 2``
+      device gradients) and ``hosts`` (``H``), for :func:`jaxcomm.optim.host_adamw`, whose
+      second moment then estimates the global mean gradient's. ``inner`` must be an
+      ``optax.GradientTransformationExtraArgs``; transformations in it that do not take these
+      keywords ignore them (``optax.adamw`` is unchanged by them).
     fast_axis: the intra-host mesh axis.
     slow_axis: the inter-host mesh axis.
     **allreduce_options: further keywords of :func:`jaxcomm.compressed_allreduce`
@@ -104,6 +128,10 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   if not isinstance(inner, optax.GradientTransformation):
     raise TypeError("inner must be an optax.GradientTransformation, got "
                     f"{type(inner).__name__}.")
+  if host_variance and not isinstance(inner, optax.GradientTransformationExtraArgs):
+    raise TypeError("host_variance=True passes keywords to inner.update: inner must be an "
+                    "optax.GradientTransformationExtraArgs (e.g. jaxcomm.optim.host_adamw), "
+                    f"got {type(inner).__name__}.")
   if isinstance(compressor, Compressor) and compressor.needs_matrix:
     raise ValueError(f"compressor={compressor.name} compresses whole matrices: "
                      "compress_updates takes flat-shard compressors (top-k, sign, ...).")
@@ -123,8 +151,9 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
     require_varying(grads, axes, "compress_updates.update")
     every = manual_axes("compress_updates.update")
     host_mean = jax.lax.pmean(_at_least_1d(grads), fast_axis)
+    extra = _host_variance(grads, host_mean, fast_axis, slow_axis) if host_variance else {}
     updates, inner_state = inner.update(host_mean, state.inner,
-                                        None if params is None else _at_least_1d(params))
+                                        None if params is None else _at_least_1d(params), **extra)
     updates = jax.tree.map(lambda u, g: u.reshape(g.shape), updates, grads)
     mean, allreduce_state = allreduce.update(vary_tree(updates, every), state.allreduce)
     # A step the allreduce skipped (a NaN or Inf on some device) leaves the moments too.
