@@ -12,6 +12,8 @@ the scan runs it (:func:`benchmarks.scan.run.run`: replicated parameters, or for
 device-local methods one model per device) and once with ``shard_over='local'`` (for the
 periodic methods one model per *host*, docs/hsdp.md section 4), and prints one table row per
 method: both held-out losses and HSDP minus replicated, or why HSDP refused the method.
+``--seed`` sets the task (initial parameters, batches) and the methods' seeds;
+``--compressor-seeds 0,1,2`` keeps the task and prints one row per method seed.
 
 Run: ``python -m benchmarks.hsdp_lm`` (CPU), or
 ``python -m benchmarks.hsdp_lm --methods fp32-hier,topk-ef,diloco-h8 --size quick --steps 150``.
@@ -83,24 +85,27 @@ def _per_method(args) -> None:
   devices = args.hosts * args.local
   mesh = jaxcomm.make_mesh(hosts=args.hosts, local=args.local)
   task = TASKS["gpt"](args.size, BATCH["gpt"] * devices, args.steps, args.seed)
-  setting = registry.Setting(lr=task.lr, seed=args.seed, topk_density=args.topk_density,
-                             sketch_density=args.sketch_density, hosts=args.hosts,
-                             local=args.local, params=task.params, steps=args.steps)
+  seeds = ([int(seed) for seed in args.compressor_seeds.split(",")] if args.compressor_seeds
+           else [args.seed])
   print(f"{task.description}; {args.hosts}x{args.local} mesh, global batch "
         f"{BATCH['gpt'] * devices}, {args.steps} steps, seed {args.seed}; held-out loss "
         "(nats/byte)")
   print("| method | replicated | HSDP | HSDP - replicated |")
   print("|---|---|---|---|")
-  for name in names:
+  for name, seed in [(name, seed) for name in names for seed in seeds]:
     method = registry.REGISTRY[name]
+    setting = registry.Setting(lr=task.lr, seed=seed, topk_density=args.topk_density,
+                               sketch_density=args.sketch_density, hosts=args.hosts,
+                               local=args.local, params=task.params, steps=args.steps)
+    label = name if not args.compressor_seeds else f"{name} (compressor seed {seed})"
     replicated = run(task, method, mesh, setting, args.steps, 1)["held_out_loss"]
     try:
       sharded = _hsdp_held_out(task, method, setting, mesh, args.steps)
     except ValueError as error:
-      print(f"| {name} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
+      print(f"| {label} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
             flush=True)
       continue
-    print(f"| {name} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |",
+    print(f"| {label} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |",
           flush=True)
 
 
@@ -116,7 +121,12 @@ def main() -> None:
   parser.add_argument("--log-every", type=int, default=25)
   parser.add_argument("--methods", default="",
                       help="comma-separated mesh-scan method names: per-method mode")
-  parser.add_argument("--seed", type=int, default=0, help="per-method mode: the task's seed")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="per-method mode: the task's seed (initial parameters, batches), "
+                      "also the methods' seed unless --compressor-seeds")
+  parser.add_argument("--compressor-seeds", default="",
+                      help="per-method mode: comma-separated seeds of the methods (hashes, "
+                      "PowerSGD's Q, random-k), one row each, on the same task")
   parser.add_argument("--topk-density", type=float, default=0.01,
                       help="per-method mode: as mesh_scan's")
   parser.add_argument("--sketch-density", type=float, default=0.02,
