@@ -12,6 +12,10 @@ the scan runs it (:func:`benchmarks.scan.run.run`: replicated parameters, or for
 device-local methods one model per device) and once with ``shard_over='local'`` (for the
 periodic methods one model per *host*, docs/hsdp.md section 4), and prints one table row per
 method: both held-out losses and HSDP minus replicated, or why HSDP refused the method.
+``--seed`` sets the task (initial parameters, batches) and the methods' seeds;
+``--compressor-seeds 0,1,2`` keeps the task and prints one row per method seed;
+``--ulp-control`` adds the replicated run from parameters moved one ulp (a rounding-size
+perturbation of the same algorithm, to compare HSDP's difference with).
 
 Run: ``python -m benchmarks.hsdp_lm`` (CPU), or
 ``python -m benchmarks.hsdp_lm --methods fp32-hier,topk-ef,diloco-h8 --size quick --steps 150``.
@@ -72,6 +76,8 @@ def _hsdp_held_out(task, method, setting, mesh, steps: int) -> float:
 
 def _per_method(args) -> None:
   """One row per method: held-out loss replicated (as the scan runs it) and under HSDP."""
+  import jax
+  import jax.numpy as jnp
   import jaxcomm
   from benchmarks.scan import methods as registry
   from benchmarks.scan.run import run
@@ -83,24 +89,31 @@ def _per_method(args) -> None:
   devices = args.hosts * args.local
   mesh = jaxcomm.make_mesh(hosts=args.hosts, local=args.local)
   task = TASKS["gpt"](args.size, BATCH["gpt"] * devices, args.steps, args.seed)
-  setting = registry.Setting(lr=task.lr, seed=args.seed, topk_density=args.topk_density,
-                             sketch_density=args.sketch_density, hosts=args.hosts,
-                             local=args.local, params=task.params, steps=args.steps)
+  seeds = ([int(seed) for seed in args.compressor_seeds.split(",")] if args.compressor_seeds
+           else [args.seed])
   print(f"{task.description}; {args.hosts}x{args.local} mesh, global batch "
         f"{BATCH['gpt'] * devices}, {args.steps} steps, seed {args.seed}; held-out loss "
         "(nats/byte)")
-  print("| method | replicated | HSDP | HSDP - replicated |")
-  print("|---|---|---|---|")
-  for name in names:
+  nudged = task._replace(params=jax.tree.map(lambda p: jnp.nextafter(p, -jnp.inf), task.params))
+  control = " replicated from params - 1 ulp |" if args.ulp_control else ""
+  print("| method | replicated | HSDP | HSDP - replicated |" + control)
+  print("|---|---|---|---|" + "---|" * bool(control))
+  for name, seed in [(name, seed) for name in names for seed in seeds]:
     method = registry.REGISTRY[name]
+    setting = registry.Setting(lr=task.lr, seed=seed, topk_density=args.topk_density,
+                               sketch_density=args.sketch_density, hosts=args.hosts,
+                               local=args.local, params=task.params, steps=args.steps)
+    label = name if not args.compressor_seeds else f"{name} (compressor seed {seed})"
     replicated = run(task, method, mesh, setting, args.steps, 1)["held_out_loss"]
     try:
       sharded = _hsdp_held_out(task, method, setting, mesh, args.steps)
     except ValueError as error:
-      print(f"| {name} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
+      print(f"| {label} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
             flush=True)
       continue
-    print(f"| {name} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |",
+    cell = (f" {run(nudged, method, mesh, setting, args.steps, 1)['held_out_loss']:.4f} |"
+            if args.ulp_control else "")
+    print(f"| {label} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |{cell}",
           flush=True)
 
 
@@ -116,11 +129,19 @@ def main() -> None:
   parser.add_argument("--log-every", type=int, default=25)
   parser.add_argument("--methods", default="",
                       help="comma-separated mesh-scan method names: per-method mode")
-  parser.add_argument("--seed", type=int, default=0, help="per-method mode: the task's seed")
+  parser.add_argument("--seed", type=int, default=0,
+                      help="per-method mode: the task's seed (initial parameters, batches), "
+                      "also the methods' seed unless --compressor-seeds")
+  parser.add_argument("--compressor-seeds", default="",
+                      help="per-method mode: comma-separated seeds of the methods (hashes, "
+                      "PowerSGD's Q, random-k), one row each, on the same task")
   parser.add_argument("--topk-density", type=float, default=0.01,
                       help="per-method mode: as mesh_scan's")
   parser.add_argument("--sketch-density", type=float, default=0.02,
                       help="per-method mode: as mesh_scan's")
+  parser.add_argument("--ulp-control", action="store_true",
+                      help="per-method mode: also the replicated run from every initial "
+                      "parameter moved one ulp down (rounding-size perturbation)")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax

@@ -123,8 +123,12 @@ def test_staleness_on_shards_keeps_its_history_per_shard_and_equals_its_replicat
   assert state.opt_state[1].gradients["w"].sharding.spec == P("local")
 
 
+# The count sketch (3 buckets per shard, one row) shares one hash key per shard size on every
+# device: per leaf HSDP sketches the very shards the replicated path sketches (docs/hsdp.md,
+# "Count sketch and PowerSGD on shards").
 COMPRESSORS = {"topk_ef": lambda: jaxcomm.topk(0.5), "sign_ef": lambda: jaxcomm.sign(),
-               "int8": lambda: jaxcomm.quantize(8)}
+               "int8": lambda: jaxcomm.quantize(8),
+               "sketch": lambda: jaxcomm.compress.count_sketch(3, 1, seed=5)}
 
 
 @pytest.mark.parametrize("name", sorted(COMPRESSORS))

@@ -239,14 +239,44 @@ def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_p
   chex.assert_trees_all_close(restored.opt_state.anchor["w"][:sizes["w"]], w[0], atol=1e-6)
 
 
-def test_zero_one_adam_per_host_state_restores_on_the_saved_mesh_shape_only(tmp_path):
-  params, loss_fn, _ = problem()
-  tx = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2)
-  state = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
-                                shard_over="local").init(params)
-  jaxcomm.checkpoint.save(tmp_path, 0, state)
+def test_zero_one_adam_per_host_state_restores_onto_another_mesh_shape_as_the_hosts_mean(
+    tmp_path):
+  """0/1 Adam saved on 2x4 after a local step (the hosts' models and momenta differ),
+  restored on 4x2 with residuals='reset': on every new host the parameters, the momentum and
+  the anchor are bit-identical to the saved hosts' mean (real entries; the parameters'
+  padding zero), the
+  variance (replicated over hosts) and the step counts are as saved, the two-phase residuals
+  are zero, and a step runs. residuals='sum' is refused, naming the server residuals."""
+  params, loss_fn, batch = problem()
+  tx = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2, var_update_scaler=1,
+                                     local_step_scaler=1, local_step_clipper=4)
+  trainer = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
+                                  shard_over="local")
+  state = trainer.init(params)
+  for _ in range(4):
+    state, _ = trainer.step(state, batch)
+  jaxcomm.checkpoint.save(tmp_path, 4, state)
+  sizes = {name: leaf.size for name, leaf in params.items()}
+  assert not jnp.array_equal(*_rows(state.params["w"], 2, sizes["w"]))  # the hosts differ
   moved = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=4, local=2),
                                 shard_over="local")
-  with pytest.raises(ValueError, match="0/1 Adam's per-host momentum"):
-    jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=tx(), params=params,
-                               shard_over="local")
+  restore = lambda **kw: jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=tx(),
+                                                    params=params, shard_over="local", **kw)
+  with pytest.raises(ValueError, match="two-phase server residuals"):
+    restore()
+  restored = restore(residuals="reset")
+  saved_opt, opt = state.opt_state, restored.opt_state
+  for name, size in sizes.items():
+    for old, new in ((state.params, restored.params), (saved_opt.mu, opt.mu),
+                     (saved_opt.anchor, opt.anchor)):
+      assert new[name].shape == (4 * padded(size, 2),)
+      assert new[name].sharding.spec == P(("host", "local"))
+      mean = jnp.mean(_rows(old[name], 2, size), axis=0)
+      chex.assert_trees_all_equal(_rows(new[name], 4, size), jnp.tile(mean, (4, 1)))
+    assert not jnp.any(restored.params[name].reshape(4, -1)[:, size:])
+    chex.assert_trees_all_equal(opt.nu[name][:size], saved_opt.nu[name][:size])
+  assert int(saved_opt.steps_per_kind[2]) == 1  # saved right after one local step
+  assert not any(jnp.any(leaf) for leaf in jax.tree.leaves(opt.residuals))
+  chex.assert_trees_all_equal(opt.steps_per_kind, saved_opt.steps_per_kind)
+  _, loss = moved.step(restored, batch)
+  assert jnp.isfinite(loss)

@@ -348,7 +348,9 @@ def restore(directory, target, *, step: int | None = None, tx=None, params=None,
   and so does every per-host leaf of the inner optimizer's state (e.g. its Adam moments);
   the anchor and the outer state are replicated over hosts and follow the flat rule, and
   per-host residuals (SparseLoCo's error buffers) follow ``residuals``. 0/1 Adam's per-host
-  state restores on the saved mesh shape only.
+  parameters, momentum and anchor likewise restore as the hosts' mean (its variance is
+  replicated over hosts: the flat rule); its two-phase residuals only with
+  ``residuals='reset'``.
   docs/hsdp.md, "Checkpoints".
 
   Args:
@@ -622,8 +624,7 @@ def _repadded(flat: jax.Array, elements: int, length: int, *, sharding) -> jax.A
 def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple[tuple, bool]:
   """``(dims, per_host)``: per parameter leaf of ``target``, ``None`` (a flat shard) or the
   dimension split over ``axis``; and whether the parameters are per host (the periodic
-  engine's workers). Refuses a target :func:`restore` cannot map onto another mesh shape
-  under ``shard_over``: not a ``TrainState``, or 0/1 Adam's per-host state."""
+  engine's or 0/1 Adam's workers). Refuses a target that is not a ``TrainState``."""
   if not (hasattr(target, "params") and hasattr(target, "opt_state")):
     raise ValueError("restore(..., shard_over=) reads a jaxcomm.TrainState (the state of "
                      "data_parallel(..., shard_over=)); pass trainer.init(params) as target, "
@@ -634,12 +635,6 @@ def _split_dims(target, axis: str, saved_mesh: dict[str, int]) -> tuple[tuple, b
   for path, leaf in jax.tree_util.tree_flatten_with_path(target.params)[0]:
     spec = getattr(getattr(leaf, "sharding", None), "spec", ())
     per_host = per_host or bool(len(spec) and isinstance(spec[0], tuple) and len(spec[0]) > 1)
-  nodes = jax.tree.leaves(target.opt_state, is_leaf=lambda n: isinstance(n, ZeroOneAdamState))
-  if per_host and any(isinstance(node, ZeroOneAdamState) for node in nodes):
-    raise ValueError("restore(..., shard_over=) onto another mesh shape maps the per-host "
-                     "state of the periodic-averaging engine (local SGD, DiLoCo, SlowMo, BMUF, "
-                     "FedAvg); 0/1 Adam's per-host momentum, anchor and two-phase residuals "
-                     "are not mapped: restore on the saved mesh shape.")
   # A 1-D leaf split along its only dimension is laid out as a flat shard is.
   return tuple(None if len(leaf.shape) == 1 else
                next(i for i, entry in enumerate(leaf.sharding.spec) if entry == axis)
@@ -738,7 +733,8 @@ class _ShardedLayout:
     a flat shard of some parameter of ``d`` elements, saved with ``L >= d`` entries per host
     and wanted with ``L' >= d``: replicated over the slow axis (parameters, Adam moments), its
     first ``min(L, L')`` entries are kept and zero-padded; per host and ``inner`` (the
-    periodic engine's inner optimizer state beside per-host parameters), the mean of the
+    periodic engine's inner optimizer state or 0/1 Adam's momentum and anchor beside per-host
+    parameters, :data:`_HOST_MEAN_FIELDS`), the mean of the
     hosts' first ``min(L, L')`` entries, zero-padded, on every new host; per host otherwise
     (PowerSGD's residual, SparseLoCo's error buffer) it is mapped by ``residuals`` as an
     error-feedback residual of ``min(L, L')`` elements (:func:`_moved_residual`); either way
@@ -776,6 +772,12 @@ class _ShardedLayout:
       raise ValueError("restore(..., shard_over=, residuals='sum') maps one residual per "
                        f"parameter leaf ({len(self.leaves)}); this compressed_allreduce packs "
                        f"{sorted(buckets)} buckets (bucket_bytes=): pass residuals='reset'.")
+    if residuals == "sum" and self.per_host and _zero_one_adam(self.saved):
+      raise ValueError("restore(..., shard_over=, residuals='sum') onto another mesh shape: "
+                       "0/1 Adam's two-phase server residuals hold 1/H chunks of each host's "
+                       "shard, whose owners change with H; no sum rule maps them: pass "
+                       "residuals='reset' (its momentum and parameters restore as the hosts' "
+                       "mean).")
     opt_state = self.allreduce.mapped(restored.opt_state, residuals)
     params = [jax.device_put(value, target.sharding) if dim is not None else
               self._host_mean(value, size, target) if self.per_host else
@@ -791,12 +793,23 @@ class _ShardedLayout:
                                is_leaf=_is_allreduce_state))
 
 
+def _zero_one_adam(state) -> bool:
+  """Whether ``state`` holds a :class:`ZeroOneAdamState`."""
+  nodes = jax.tree.leaves(state, is_leaf=lambda node: isinstance(node, ZeroOneAdamState))
+  return any(isinstance(node, ZeroOneAdamState) for node in nodes)
+
+
+#: Per node type, the fields restored as the hosts' mean under per-host parameters: the
+#: periodic engine's inner optimizer state, 0/1 Adam's momentum and anchor.
+_HOST_MEAN_FIELDS = {PeriodicState: ("inner",), ZeroOneAdamState: ("mu", "anchor")}
+
+
 def _inner_mask(state, per_host: bool):
-  """``state`` with every leaf ``True`` where it belongs to a ``PeriodicState``'s ``inner``
-  optimizer state under per-host parameters (restored as the hosts' mean), else ``False``."""
-  periodic = lambda node: isinstance(node, PeriodicState)
+  """``state`` with every leaf ``True`` where it is restored as the hosts' mean under per-host
+  parameters (:data:`_HOST_MEAN_FIELDS`), else ``False``."""
+  typed = lambda node: isinstance(node, tuple(_HOST_MEAN_FIELDS))
   return jax.tree.map(
-      lambda node: (node._replace(**{field: jax.tree.map(lambda _: per_host and field == "inner",
-                                                         getattr(node, field))
-                                     for field in node._fields})
-                    if periodic(node) else False), state, is_leaf=periodic)
+      lambda node: (node._replace(**{
+          field: jax.tree.map(lambda _: per_host and field in _HOST_MEAN_FIELDS[type(node)],
+                              getattr(node, field)) for field in node._fields})
+                    if typed(node) else False), state, is_leaf=typed)
