@@ -17,6 +17,18 @@ def test_has_nonfinite_over_a_tree():
     assert bool(has_nonfinite({**good, "a": jnp.ones(3).at[1].set(bad)}))
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16, jnp.float16])
+def test_has_nonfinite_compiled_finds_every_position(dtype):
+  # Compiled, large enough for XLA's CPU reduction kernels; huge finite values stay finite.
+  x = jnp.full(40_000, jnp.finfo(dtype).max, dtype).at[::2].set(-1.5)
+  check = jax.jit(has_nonfinite)
+  assert not bool(check(x)) and not bool(check((x, jnp.arange(3))))
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    for position in (0, 16_383, 39_999):
+      assert bool(check(x.at[position].set(bad))), (bad, position)
+      assert bool(check((x, x.at[position].set(bad))))
+
+
 def test_any_nonfinite_is_agreed_by_every_device():
   x = jnp.ones((4, 3)).at[2, 0].set(jnp.nan)
   agreed = jax.vmap(lambda row: any_nonfinite(row, ("d",)), axis_name="d")(x)

@@ -92,15 +92,22 @@ def test_nearest_quantization_error_is_at_most_half_a_step():
   assert float(jnp.max(jnp.abs(decoded - x))) <= step / 2 * (1 + 1e-4)
 
 
-def test_error_feedback_never_stores_non_finite_values():
-  compressor = jaxcomm.error_feedback(jaxcomm.topk(0.5))
+@pytest.mark.parametrize("bound", [None, 3.0])
+@pytest.mark.parametrize("make", [lambda: jaxcomm.topk(0.5), lambda: jaxcomm.topk(0.25),
+                                  jaxcomm.sign])
+def test_error_feedback_never_stores_non_finite_values(make, bound):
+  # The bad entry sent or not (top-1 of 4 sends only the 4.0 unless the bad one is larger).
+  compressor = jaxcomm.error_feedback(make(), bound=bound)
+  encode = jax.jit(compressor.encode)
   state = compressor.init((4,), jnp.float32)
-  _, state = compressor.encode(jnp.array([1.0, 2.0, 3.0, 4.0]), state, jax.random.PRNGKey(0))
+  _, state = encode(jnp.array([1.0, 2.0, 3.0, 4.0]), state, jax.random.PRNGKey(0))
   before = state.residual
-  for bad in (jnp.nan, jnp.inf):
-    _, state = compressor.encode(jnp.array([1.0, bad, 3.0, 4.0]), state, jax.random.PRNGKey(0))
-    chex.assert_tree_all_finite(state.residual)
-    chex.assert_trees_all_close(state.residual, before)
+  for bad in (jnp.nan, jnp.inf, -jnp.inf):
+    for position in (1, 3):
+      x = jnp.array([1.0, 2.0, 3.0, 4.0]).at[position].set(bad)
+      _, state = encode(x, state, jax.random.PRNGKey(0))
+      chex.assert_tree_all_finite(state.residual)
+      chex.assert_trees_all_equal(state.residual, before)
 
 
 @settings(max_examples=25, deadline=None)

@@ -261,6 +261,21 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
   Returns:
     ``(means, new_states)``: one entry per array.
   """
+  shards, new_states = reduce_shards(xs, topologies, states, keys)
+  return ([gather_back(shard, x, levels) for shard, x, levels in zip(shards, xs, topologies)],
+          new_states)
+
+
+def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]],
+                  states: Sequence[tuple], keys: Sequence[jax.Array]
+                  ) -> tuple[list[jax.Array], list[tuple]]:
+  """:func:`hierarchical_allreduce_many` up to the dense levels' all-gathers.
+
+  Returns:
+    ``(shards, new_states)``: per array, this device's shard of the mean (1-D, shaped and
+    varying like :func:`shard_zeros`, before any cast back to the array's dtype), which
+    :func:`gather_back` turns into the mean; and its new per-level states.
+  """
   if not xs:  # an empty gradient tree: nothing to reduce
     return [], []
   topologies = [check_levels(levels) for levels in topologies]
@@ -296,8 +311,19 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
                for b in members]
       for b, (shard, state) in zip(members, strategy.apply_many(items, axis)):
         shards[b], new_states[b][index] = shard, state
-  means = [_gathered_back(shard, x, levels) for shard, x, levels in zip(shards, xs, topologies)]
-  return means, [tuple(level_states) for level_states in new_states]
+  return shards, [tuple(level_states) for level_states in new_states]
+
+
+def shard_zeros(levels: Sequence[Level], size: int) -> jax.Array:
+  """Float32 zeros shaped like the shard :func:`reduce_shards` returns for an array of
+  ``size`` elements (its padded length divided by the dense levels' sizes), varying over the
+  dense levels' axes as that shard does; call inside ``shard_map``."""
+  levels = check_levels(levels)
+  padded, _ = _shard_sizes(levels, size)
+  for lv in levels:
+    if lv.compressor is None and not _done(lv):
+      padded //= jax.lax.axis_size(lv.axis)
+  return vary(jnp.zeros((padded,), jnp.float32), _distinct_axes(levels, len(levels)))
 
 
 def _first_shard(x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
@@ -312,8 +338,9 @@ def _first_shard(x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
   return jnp.pad((x / total).astype(x.dtype).reshape(-1), (0, padded - x.size))
 
 
-def _gathered_back(shard: jax.Array, x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
-  """The dense levels' all-gathers, slowest first, back to ``x``'s dtype and shape."""
+def gather_back(shard: jax.Array, x: jax.Array, levels: Sequence[Level]) -> jax.Array:
+  """The dense levels' all-gathers of a :func:`reduce_shards` shard, slowest first, back to
+  ``x``'s dtype (cast before the gathers) and shape."""
   shard = shard.astype(x.dtype)
   for lv in reversed(levels):
     if lv.compressor is None and not _done(lv):

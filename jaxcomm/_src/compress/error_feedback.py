@@ -103,8 +103,11 @@ def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Com
     unsent = corrected - compressor.decode(payload, x.shape)
     if bound is not None:
       unsent = _capped(unsent, bound * jnp.linalg.norm(x32))
-    # Checking the residual too catches a compressor that overflowed on finite input.
-    bad = has_nonfinite((corrected, unsent))
+    # The residual alone is checked: a NaN or Inf in `corrected` leaves one in `unsent` at the
+    # same entry (x - y is not finite for a non-finite x), and the cap keeps it (the norm is
+    # then Inf or NaN, the scale 0, NaN or 1). It also catches a compressor that overflowed on
+    # finite input.
+    bad = has_nonfinite(unsent)
     return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
                             floats_only=True)
 

@@ -11,9 +11,9 @@ import optax
 
 from jaxcomm._src.collectives import buckets as bucketing
 from jaxcomm._src.mesh_axes import require_axes, require_varying
-from jaxcomm._src.collectives.hierarchical import (Level, check_levels,
-                                                   hierarchical_allreduce_many, init_states,
-                                                   level)
+from jaxcomm._src.collectives.hierarchical import (Level, check_levels, gather_back,
+                                                   init_states, level, reduce_shards,
+                                                   shard_zeros)
 from jaxcomm._src.collectives.strategies import (Strategy, TwoPhaseState, as_strategy,
                                                    check_strategy)
 from jaxcomm._src.compress.base import Compressor
@@ -36,8 +36,11 @@ class CompressedAllReduceState(NamedTuple):
 
   Attributes:
     estimates: one entry per bucket: with ``feedback='estimate'`` (EF21) on a slow axis of more
-      than one device, float32 of the bucket's flat size: the mean of every device's estimate,
-      which the update returns; else ``()``. Replicated.
+      than one device, this device's shard of the mean of every device's estimate, which the
+      update all-gathers over the fast axis and returns; else ``()``. Float32 of the bucket's
+      flat size zero-padded to a multiple of the fast axis's size, divided by it (the
+      full bucket with one device per host); device-local over the fast axis, replicated
+      over the slow one.
     level_states: one entry per bucket (per gradient leaf without bucketing, in
       ``jax.tree.leaves`` order), each a tuple with one state per level (``()`` for dense
       levels), e.g. ``level_states[i][1].residual`` is the error-feedback residual of leaf
@@ -131,7 +134,7 @@ def _check_feedback(feedback, strategy, residual_dtype) -> str:
   if feedback == "estimate" and residual_dtype != jnp.float32:
     raise ValueError(f"residual_dtype={jnp.dtype(residual_dtype).name} needs "
                      "feedback='residual': the EF21 estimates stay float32 so that the "
-                     "replicated estimate is exactly the mean of the devices' estimates.")
+                     "estimate of the mean is exactly the mean of the devices' estimates.")
   return feedback
 
 
@@ -206,20 +209,23 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
 def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
                     keys: list[jax.Array]):
   """``(means, new level states, new estimates)`` of every bucket, in one engine call
-  (:func:`hierarchical_allreduce_many`: the gather levels send all buckets' payloads in one
-  collective).
+  (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
+  buckets' payloads in one collective).
 
-  With an EF21 estimate the levels return the summed change of the devices' estimates
-  (float32, so that the replicated estimate stays exactly their mean), and the mean is the
-  new estimate.
+  With an EF21 estimate the levels return this device's shard of the summed change of the
+  devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
+  the estimate's shard, and the mean is that new shard gathered back (in float32, then cast):
+  the same values as gathering the change and adding the whole estimate, without a pass over
+  a full-size copy.
   """
   estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
   inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
-  results, level_states = hierarchical_allreduce_many(inputs, topologies, level_states, keys)
-  estimates = [estimate + result if e else estimate
-               for estimate, result, e in zip(estimates, results, estimated)]
-  means = [estimate.astype(x.dtype) if e else result
-           for x, estimate, result, e in zip(packed, estimates, results, estimated)]
+  shards, level_states = reduce_shards(inputs, topologies, level_states, keys)
+  estimates = [estimate + shard if e else estimate
+               for estimate, shard, e in zip(estimates, shards, estimated)]
+  means = [gather_back(estimate if e else shard, x32, levels).astype(x.dtype)
+           for x, x32, estimate, shard, levels, e
+           in zip(packed, inputs, estimates, shards, topologies, estimated)]
   return means, level_states, estimates
 
 
@@ -263,8 +269,8 @@ def compressed_allreduce(
       (:func:`~jaxcomm.collectives.resolve`).
     feedback: how what a compressor did not send is carried over. ``'estimate'`` (EF21):
       every device keeps an estimate of its shard and sends the compressed change of it;
-      every device keeps the mean of the estimates (one float32 copy of the gradient,
-      replicated) and returns it, so nothing unsent is released late in a burst, which a
+      every device keeps its shard of the mean of the estimates (float32, ``1/G`` of the
+      gradient) and returns the mean, so nothing unsent is released late in a burst, which a
       momentum after the mean amplifies into divergence (docs/quality.md). ``'residual'``:
       classic error feedback, the unsent rest added to the next input (with ``two_phase``,
       worker and server residuals). ``'bounded'``: classic residuals whose norm is capped at
@@ -340,7 +346,7 @@ def compressed_allreduce(
     buckets = plan(params)
     level_states = tuple(init_states(topologies[bucket.group], bucket.size, bucket.dtype)
                          for bucket in buckets)
-    estimates = tuple(jnp.zeros((bucket.size,), jnp.float32)
+    estimates = tuple(shard_zeros(topologies[bucket.group], bucket.size)
                       if _estimated(topologies[bucket.group]) else () for bucket in buckets)
     return CompressedAllReduceState(
         estimates=estimates,
