@@ -26,7 +26,17 @@ is not printed (it depends on which leaves the backward pass reads).
 ``--model gpt`` measures the byte-level GPT of ``models/gpt.py`` instead (``--layers``
 blocks of ``--width``, 32-byte windows, tied embedding).
 
-Run: ``python -m benchmarks.hsdp_memory`` (CPU, simulated devices; compile only, no step).
+``--device-budget-mib B`` instead compiles ``replicated`` and ``hsdp+reshard`` on one mesh
+(``H x G``, ``G`` the single value of ``--groups``, default 4) and prints each peak against
+``B`` MiB, the simulated device's share of memory (what one accelerator of a host would
+have; the simulated CPU devices share the host's RAM and enforce no limit, so the budget is
+checked against the compiled peak). ``--train-steps N`` then runs ``N`` steps of every mode
+whose peak fits, on random windows of the pydoc training text (``models.text``, as
+``benchmarks.hsdp_lm``; ``--model gpt`` only), printing the loss per step; a mode over the
+budget is refused (:func:`train_within`).
+
+Run: ``python -m benchmarks.hsdp_memory`` (CPU, simulated devices; compile only, no step), or
+``python -m benchmarks.hsdp_memory --model gpt --device-budget-mib 64 --train-steps 5``.
 """
 
 from __future__ import annotations
@@ -78,9 +88,10 @@ def _gpt(layers: int, width: int, batch_size: int):
 MODELS = {"mlp": _mlp, "gpt": _gpt}
 
 
-def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
-             reshard: bool = False):
-  import jax
+def compile_step(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
+                 reshard: bool = False):
+  """``(params, state, compiled)``: ``model``'s sign+EF + AdamW step on ``mesh``, compiled
+  for a batch of ``batch_size``; ``compiled(state, batch)`` returns ``(state, loss)``."""
   import optax
   import jaxcomm
   params, loss_fn, batch = MODELS[model](layers, width, batch_size)
@@ -88,7 +99,50 @@ def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_o
   trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over,
                                   reshard_after_forward=reshard)
   state = trainer.init(params)
-  compiled = trainer.step.lower(state, batch).compile()
+  return params, state, trainer.step.lower(state, batch).compile()
+
+
+def peak_bytes(compiled) -> int:
+  """``argument + output + temp - alias`` bytes of ``compiled.memory_analysis()`` (per
+  device): what the step needs live at once."""
+  stats = compiled.memory_analysis()
+  return (stats.argument_size_in_bytes + stats.output_size_in_bytes
+          + stats.temp_size_in_bytes - stats.alias_size_in_bytes)
+
+
+def train_within(compiled, state, batches, budget_bytes: int) -> list[float]:
+  """Runs ``compiled`` on each of ``batches`` from ``state`` if its peak fits the budget.
+
+  Args:
+    compiled: a step from :func:`compile_step`.
+    state: its initial state.
+    batches: batches of the shape it was compiled for.
+    budget_bytes: the simulated device's share of memory, bytes.
+
+  Returns:
+    The loss of each step.
+
+  Raises:
+    ValueError: if :func:`peak_bytes` of ``compiled`` exceeds ``budget_bytes`` (the step
+      would not fit the device, so it is not run).
+  """
+  peak = peak_bytes(compiled)
+  if peak > budget_bytes:
+    raise ValueError(f"the step's peak, {peak / 2**20:.1f} MiB per device, exceeds "
+                     f"budget_bytes={budget_bytes} ({budget_bytes / 2**20:.1f} MiB): not run")
+  losses = []
+  for batch in batches:
+    state, loss = compiled(state, batch)
+    losses.append(float(loss))  # waits for the step (simulated devices: docs/reliability.md)
+  return losses
+
+
+def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
+             reshard: bool = False):
+  import jax
+  import jaxcomm
+  params, state, compiled = compile_step(mesh, model, layers, width, batch_size, shard_over,
+                                         reshard)
   stats = compiled.memory_analysis()
   sent = jaxcomm.accounting.report_from_hlo(compiled.as_text(), mesh).bytes_per_axes()
   group = mesh.shape["local"]
@@ -104,6 +158,54 @@ def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_o
           "output": stats.output_size_in_bytes, "alias": stats.alias_size_in_bytes}
 
 
+def _budget(args, group: int) -> None:
+  """``--device-budget-mib``: both peaks on ``H x group`` against the budget, then
+  ``--train-steps``."""
+  import jax.numpy as jnp
+  import jaxcomm
+  from models import text
+  mesh = jaxcomm.make_mesh(hosts=args.devices // group, local=group)
+  budget = int(args.device_budget_mib * 2**20)
+  print(f"{args.devices // group} x {group} mesh, device budget {args.device_budget_mib} MiB "
+        "(the simulated device's share of memory)")
+  print("| mode | state (MiB) | peak (MiB) | peak / budget | fits |\n|---|---|---|---|---|")
+  steps = {}
+  for mode, shard_over, reshard in (("replicated", None, False),
+                                    ("hsdp+reshard", "local", True)):
+    _, state, compiled = compile_step(mesh, args.model, args.layers, args.width, args.batch,
+                                      shard_over, reshard)
+    peak = peak_bytes(compiled)
+    held = _device_bytes((state.params, state.opt_state))
+    print(f"| {mode} | {held / 2**20:.1f} | {peak / 2**20:.1f} | {peak / budget:.2f} | "
+          f"{'yes' if peak <= budget else 'no'} |", flush=True)
+    steps[mode] = (state, compiled)
+  if not args.train_steps:
+    return
+  corpus = text.load_pydoc_corpus()
+  for mode, (state, compiled) in steps.items():
+    batches = (tuple(jnp.asarray(a) for a in text.sample_sequences(
+        corpus.train, args.batch, 32, seed=100 + step)) for step in range(args.train_steps))
+    try:
+      losses = train_within(compiled, state, batches, budget)
+    except ValueError as refused:
+      print(f"{mode}: refused to train: {refused}")
+      continue
+    print(f"{mode}: training loss per step (nats/byte): "
+          + ", ".join(f"{loss:.4f}" for loss in losses))
+
+
+def _check_budget_args(parser, args) -> None:
+  """Exits with a usage error for a budget option that cannot be honoured."""
+  budget = args.device_budget_mib
+  if budget is not None and budget <= 0:
+    parser.error(f"--device-budget-mib={budget}: must be positive")
+  if args.train_steps < 0 or (args.train_steps and (budget is None or args.model != "gpt")):
+    parser.error(f"--train-steps={args.train_steps}: a count >= 0, and > 0 only with "
+                 "--device-budget-mib and --model gpt (the LM data)")
+  if budget is not None and args.groups and not args.groups.isdigit():
+    parser.error(f"--groups={args.groups!r}: one fast-axis size with --device-budget-mib")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--devices", type=int, default=8)
@@ -115,13 +217,25 @@ def main() -> None:
                       help="also measure shard_over='local' with reshard_after_forward=True")
   parser.add_argument("--groups", default="",
                       help="comma-separated fast-axis sizes G to measure (default: all)")
+  parser.add_argument("--device-budget-mib", type=float, default=None,
+                      help="the simulated device's share of memory (MiB): compile replicated "
+                      "and hsdp+reshard on one mesh (G: --groups, default 4) and compare "
+                      "their peaks with it")
+  parser.add_argument("--train-steps", type=int, default=0,
+                      help="with --device-budget-mib and --model gpt: train this many steps "
+                      "of every mode whose peak fits")
   args = parser.parse_args()
+  _check_budget_args(parser, args)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax
   jax.config.update("jax_num_cpu_devices", args.devices)
   import jaxcomm
   shape = (f"MLP {args.layers} x ({args.width}x{args.width} + bias)" if args.model == "mlp"
            else f"GPT {args.layers} blocks of width {args.width}, 32-byte windows")
+  if args.device_budget_mib is not None:
+    print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}")
+    _budget(args, int(args.groups or 4))
+    return
   print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}; KiB per device")
   print("| H x G | mode | params | AdamW moments | EF state | state | argument | output "
         "| temp | peak |")
