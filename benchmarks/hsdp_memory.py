@@ -30,7 +30,8 @@ blocks of ``--width``, 32-byte windows, tied embedding).
 (``H x G``, ``G`` the single value of ``--groups``, default 4) and prints each peak against
 ``B`` MiB, the simulated device's share of memory (what one accelerator of a host would
 have; the simulated CPU devices share the host's RAM and enforce no limit, so the budget is
-checked against the compiled peak). ``--train-steps N`` then runs ``N`` steps of every mode
+checked against the compiled peak; both steps donate their state, as a training loop does).
+``--train-steps N`` then runs ``N`` steps of every mode
 whose peak fits, on random windows of the pydoc training text (``models.text``, as
 ``benchmarks.hsdp_lm``; ``--model gpt`` only), printing the loss per step; a mode over the
 budget is refused (:func:`train_within`).
@@ -89,9 +90,12 @@ MODELS = {"mlp": _mlp, "gpt": _gpt}
 
 
 def compile_step(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
-                 reshard: bool = False):
+                 reshard: bool = False, donate: bool = False):
   """``(params, state, compiled)``: ``model``'s sign+EF + AdamW step on ``mesh``, compiled
-  for a batch of ``batch_size``; ``compiled(state, batch)`` returns ``(state, loss)``."""
+  for a batch of ``batch_size``; ``compiled(state, batch)`` returns ``(state, loss)``. With
+  ``donate`` the state's buffers are donated to the new state, as a training loop that
+  keeps only the new state does (``memory_analysis()`` then counts them as aliased)."""
+  import jax
   import optax
   import jaxcomm
   params, loss_fn, batch = MODELS[model](layers, width, batch_size)
@@ -99,7 +103,8 @@ def compile_step(mesh, model: str, layers: int, width: int, batch_size: int, sha
   trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over,
                                   reshard_after_forward=reshard)
   state = trainer.init(params)
-  return params, state, trainer.step.lower(state, batch).compile()
+  step = jax.jit(trainer.step, donate_argnums=0) if donate else trainer.step
+  return params, state, step.lower(state, batch).compile()
 
 
 def peak_bytes(compiled) -> int:
@@ -173,7 +178,7 @@ def _budget(args, group: int) -> None:
   for mode, shard_over, reshard in (("replicated", None, False),
                                     ("hsdp+reshard", "local", True)):
     _, state, compiled = compile_step(mesh, args.model, args.layers, args.width, args.batch,
-                                      shard_over, reshard)
+                                      shard_over, reshard, donate=True)
     peak = peak_bytes(compiled)
     held = _device_bytes((state.params, state.opt_state))
     print(f"| {mode} | {held / 2**20:.1f} | {peak / 2**20:.1f} | {peak / budget:.2f} | "

@@ -11,8 +11,10 @@ from benchmarks import hsdp_memory
 
 def test_the_replicated_step_over_the_budget_is_refused_and_hsdp_under_it_trains():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  params, replicated_state, replicated = hsdp_memory.compile_step(mesh, "mlp", 2, 64, 8, None)
-  _, hsdp_state, hsdp = hsdp_memory.compile_step(mesh, "mlp", 2, 64, 8, "local", True)
+  params, replicated_state, replicated = hsdp_memory.compile_step(mesh, "mlp", 2, 64, 8, None,
+                                                                  donate=True)
+  _, hsdp_state, hsdp = hsdp_memory.compile_step(mesh, "mlp", 2, 64, 8, "local", True,
+                                                 donate=True)
   replicated_peak, hsdp_peak = hsdp_memory.peak_bytes(replicated), hsdp_memory.peak_bytes(hsdp)
   assert hsdp_peak < replicated_peak
   budget = (replicated_peak + hsdp_peak) // 2
