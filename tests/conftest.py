@@ -17,3 +17,21 @@ if (importlib.metadata.version("jaxlib").startswith("0.10.")
 import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
+
+# The files that take the most CPU (each 30-110 s on 2 cores, measured 2026-11-25), scheduled
+# first: with `--dist loadfile` a worker runs a whole file, and a long file started last keeps
+# one worker busy while the other idles. The README's command passes
+# `--no-loadscope-reorder`, so xdist keeps this order (its default sorts files by their
+# number of tests, which put test_mesh_scan's 5 long tests last). Other files keep theirs.
+LONGEST_FILES = (
+    "tests/test_mesh_scan.py", "tests/parallel/test_ring_attention.py",
+    "tests/reliability/test_faults.py", "tests/test_hsdp.py", "tests/parallel/test_moe.py",
+    "tests/optim/test_dgc.py", "tests/multiprocess/test_multiprocess.py",
+    "tests/test_mesh_scan_custom.py", "tests/test_planner.py",
+    "tests/optim/test_quality_classification.py", "tests/models/test_transformer.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+  rank = {path: index for index, path in enumerate(LONGEST_FILES)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
