@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import math
 import platform
 from collections.abc import Callable, Sequence
@@ -62,6 +63,12 @@ METHODS: dict[str, Callable[[int], optax.GradientTransformation]] = {
     "topk-ef-gather": lambda seed: jaxcomm.compressed_allreduce(
         jaxcomm.topk(0.01), strategy="gather", seed=seed),
     "powersgd-r2": lambda seed: jaxcomm.powersgd_allreduce(2, seed=seed),
+    # RESIDUAL_BOUND's neighbours (docs/quality.md, section 9): 'bounded' feedback is exactly
+    # this wrapping with bound=RESIDUAL_BOUND.
+    **{f"topk-ef-bound{bound:g}": functools.partial(
+        lambda seed, bound: jaxcomm.compressed_allreduce(
+            jaxcomm.compress.error_feedback(jaxcomm.topk(0.01), bound=bound), feedback="none",
+            strategy="gather", seed=seed), bound=bound) for bound in (1.5, 3, 10)},
 }
 
 # fp32's learning rates: the recipe most people run (SGD 0.1 with momentum 0.9) and AdamW's
