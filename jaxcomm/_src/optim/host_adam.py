@@ -74,17 +74,16 @@ def scale_by_host_adam(b1: float = 0.9, b2: float = 0.999, eps: float = 1e-8
       raise TypeError("scale_by_host_adam.update needs host_variance= and hosts=: use it "
                       "inside jaxcomm.optim.compress_updates(..., host_variance=True).")
     count = optax.safe_increment(state.count)
-    ema = lambda new, old, b: b * old + (1 - b) * new  # noqa: E731
-    mu = jax.tree.map(lambda g, m: ema(g, m, b1), updates, state.mu)
-    nu = jax.tree.map(lambda g, v: ema(g * g, v, b2), updates, state.nu)
-    noise = jax.tree.map(lambda s, w: ema(s, w, b2), host_variance, state.noise)
-    c1, c2 = 1 - b1 ** count, 1 - b2 ** count
+    mu = optax.tree_utils.tree_update_moment(updates, state.mu, b1, 1)
+    nu = optax.tree_utils.tree_update_moment_per_elem_norm(updates, state.nu, b2, 2)
+    noise = optax.tree_utils.tree_update_moment(host_variance, state.noise, b2, 1)
+    m_hat = optax.tree_utils.tree_bias_correction(mu, b1, count)
 
     def step(m, v, w):
-      v_global = jnp.maximum(v - (1 - 1 / hosts) * w, v / hosts) / c2
-      return m / c1 / (jnp.sqrt(v_global) + eps)
+      v_global = jnp.maximum(v - (1 - 1 / hosts) * w, v / hosts) / (1 - b2 ** count)
+      return m / (jnp.sqrt(v_global) + eps)
 
-    return (jax.tree.map(step, mu, nu, noise),
+    return (jax.tree.map(step, m_hat, nu, noise),
             ScaleByHostAdamState(count=count, mu=mu, nu=nu, noise=noise))
 
   return optax.GradientTransformationExtraArgs(init, update)
