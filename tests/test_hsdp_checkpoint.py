@@ -192,6 +192,32 @@ def _adam(inner):
               if hasattr(node, "mu"))
 
 
+def _saved_and_moved(tmp_path, tx, steps: int):
+  """``(params, batch, state, moved)``: ``tx()`` trained ``steps`` steps under HSDP on 2x4
+  (the hosts' models differ, checked) and saved as step ``steps`` in ``tmp_path``; ``moved``
+  the same trainer on 4x2."""
+  params, loss_fn, batch = problem()
+  trainer = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
+                                  shard_over="local")
+  state = trainer.init(params)
+  for _ in range(steps):
+    state, _ = trainer.step(state, batch)
+  jaxcomm.checkpoint.save(tmp_path, steps, state)
+  assert not jnp.array_equal(*_rows(state.params["w"], 2, params["w"].size))
+  moved = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=4, local=2),
+                                shard_over="local")
+  return params, batch, state, moved
+
+
+def _assert_hosts_mean(old, new, size: int, hosts: int = 4, local: int = 2):
+  """``new``, a per-host flat shard on ``hosts x local``, holds on every host the mean of the
+  2 saved hosts' first ``size`` entries of ``old``, bit for bit."""
+  assert new.shape == (hosts * padded(size, local),)
+  assert new.sharding.spec == P(("host", "local"))
+  mean = jnp.mean(_rows(old, 2, size), axis=0)
+  chex.assert_trees_all_equal(_rows(new, hosts, size), jnp.tile(mean, (hosts, 1)))
+
+
 @pytest.mark.parametrize("method", sorted(PER_HOST))
 def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_path, method):
   """DiLoCo and SparseLoCo (AdamW inner, period 2) saved on 2x4 after 3 steps, mid-period:
@@ -201,27 +227,15 @@ def test_per_host_shards_restore_onto_another_mesh_shape_as_the_hosts_mean(tmp_p
   error buffers keep every element's pending mass summed over hosts (residuals='sum',
   bit-identical); the next step (the 4th) synchronizes as planned."""
   hosts, local = 4, 2
-  params, loss_fn, batch = problem()
-  trainer = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
-                                  jaxcomm.make_mesh(hosts=2, local=4), shard_over="local")
-  state = trainer.init(params)
-  for _ in range(3):
-    state, _ = trainer.step(state, batch)
-  jaxcomm.checkpoint.save(tmp_path, 3, state)
+  params, batch, state, moved = _saved_and_moved(tmp_path, PER_HOST[method], steps=3)
   sizes = {name: leaf.size for name, leaf in params.items()}
-  assert not jnp.array_equal(*_rows(state.params["w"], 2, sizes["w"]))  # the hosts differ
-  moved = jaxcomm.data_parallel(loss_fn, PER_HOST[method](),
-                                jaxcomm.make_mesh(hosts=hosts, local=local), shard_over="local")
   restored = jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=PER_HOST[method](),
                                         params=params, shard_over="local")
   saved_adam, adam = _adam(state.opt_state.inner), _adam(restored.opt_state.inner)
   for name, size in sizes.items():
     for old, new in ((state.params, restored.params), (saved_adam.mu, adam.mu),
                      (saved_adam.nu, adam.nu)):
-      assert new[name].shape == (hosts * padded(size, local),)
-      assert new[name].sharding.spec == P(("host", "local"))
-      mean = jnp.mean(_rows(old[name], 2, size), axis=0)
-      chex.assert_trees_all_equal(_rows(new[name], hosts, size), jnp.tile(mean, (hosts, 1)))
+      _assert_hosts_mean(old[name], new[name], size)
       assert not jnp.any(new[name].reshape(hosts, -1)[:, size:])
     chex.assert_trees_all_equal(restored.opt_state.anchor[name][:size],
                                 state.opt_state.anchor[name][:size])
@@ -247,19 +261,10 @@ def test_zero_one_adam_per_host_state_restores_onto_another_mesh_shape_as_the_ho
   padding zero), the
   variance (replicated over hosts) and the step counts are as saved, the two-phase residuals
   are zero, and a step runs. residuals='sum' is refused, naming the server residuals."""
-  params, loss_fn, batch = problem()
   tx = lambda: jaxcomm.zero_one_adam(1e-2, var_freeze_step=2, var_update_scaler=1,
                                      local_step_scaler=1, local_step_clipper=4)
-  trainer = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=2, local=4),
-                                  shard_over="local")
-  state = trainer.init(params)
-  for _ in range(4):
-    state, _ = trainer.step(state, batch)
-  jaxcomm.checkpoint.save(tmp_path, 4, state)
+  params, batch, state, moved = _saved_and_moved(tmp_path, tx, steps=4)
   sizes = {name: leaf.size for name, leaf in params.items()}
-  assert not jnp.array_equal(*_rows(state.params["w"], 2, sizes["w"]))  # the hosts differ
-  moved = jaxcomm.data_parallel(loss_fn, tx(), jaxcomm.make_mesh(hosts=4, local=2),
-                                shard_over="local")
   restore = lambda **kw: jaxcomm.checkpoint.restore(tmp_path, moved.init(params), tx=tx(),
                                                     params=params, shard_over="local", **kw)
   with pytest.raises(ValueError, match="two-phase server residuals"):
@@ -269,10 +274,7 @@ def test_zero_one_adam_per_host_state_restores_onto_another_mesh_shape_as_the_ho
   for name, size in sizes.items():
     for old, new in ((state.params, restored.params), (saved_opt.mu, opt.mu),
                      (saved_opt.anchor, opt.anchor)):
-      assert new[name].shape == (4 * padded(size, 2),)
-      assert new[name].sharding.spec == P(("host", "local"))
-      mean = jnp.mean(_rows(old[name], 2, size), axis=0)
-      chex.assert_trees_all_equal(_rows(new[name], 4, size), jnp.tile(mean, (4, 1)))
+      _assert_hosts_mean(old[name], new[name], size)
     assert not jnp.any(restored.params[name].reshape(4, -1)[:, size:])
     chex.assert_trees_all_equal(opt.nu[name][:size], saved_opt.nu[name][:size])
   assert int(saved_opt.steps_per_kind[2]) == 1  # saved right after one local step
