@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxcomm
+from jaxcomm._src.compress.base import sum_stacked
 from jaxcomm.compress import pack_bits, packed_nbytes, unpack_bits
 
 CORE = {
@@ -131,6 +132,23 @@ def test_bounded_error_feedback_scales_the_classic_residual_down_to_its_bound(se
   scale = min(1.0, limit / norm)
   chex.assert_trees_all_close(capped.residual, scale * plain.residual, rtol=1e-5, atol=1e-30)
   assert float(jnp.linalg.norm(capped.residual)) <= limit * (1 + 1e-5)
+
+
+@settings(max_examples=20, deadline=None)
+@given(rows=st.integers(1, 9), width=st.integers(1, 40), integer=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_sum_stacked_equals_the_sum_over_the_leading_axis(rows, width, integer, seed):
+  rng = np.random.default_rng(seed)
+  stacked = (rng.integers(-2**20, 2**20, (rows, width, 3)).astype(np.int32) if integer
+             else rng.standard_normal((rows, width, 3)).astype(np.float32))
+  total = sum_stacked(jnp.asarray(stacked))
+  chex.assert_shape(total, (width, 3))
+  assert total.dtype == stacked.dtype
+  if integer:
+    np.testing.assert_array_equal(total, stacked.sum(axis=0))
+  else:
+    np.testing.assert_allclose(total, stacked.astype(np.float64).sum(axis=0), rtol=1e-5,
+                               atol=1e-5 * rows)
 
 
 @pytest.mark.parametrize("bits", range(1, 9))

@@ -36,7 +36,7 @@ import numpy as np
 
 from jaxcomm._src.accounting import NO_COST, Cost, ring_cost
 from jaxcomm._src.compress.base import (AxisContext, Compressor, Shape, combining, psum_payload,
-                                        replicated_fields)
+                                        replicated_fields, sum_stacked)
 from jaxcomm._src.compress.error_feedback import error_feedback
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
@@ -522,7 +522,7 @@ def gather_sums(items, axis: str, implementation: str | None = None) -> list:
     sums = []
     for (shard, compressor, _, _), payloads in zip(items, gathered):
       decode = lambda p, compressor=compressor, shape=shard.shape: compressor.decode(p, shape)
-      sums.append(jnp.sum(jax.vmap(decode)(payloads), axis=0))
+      sums.append(sum_stacked(jax.vmap(decode)(payloads)))
   return [(total, state) for total, (_, state) in zip(sums, encoded)]
 
 
@@ -564,7 +564,7 @@ def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   payloads = jax.tree.map(lambda *leaves: jnp.stack(leaves),
                           *[encode_chunk(chunks[i], keys[i]) for i in range(n)])
   received = all_to_all_payload(payloads, axis)
-  owned = jnp.sum(jax.vmap(decode_chunk)(received), axis=0)
+  owned = sum_stacked(jax.vmap(decode_chunk)(received))
   if state is not None:
     owned = owned + state.server_residual
   server_payload = encode_chunk(owned, keys[n])

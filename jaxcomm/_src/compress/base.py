@@ -173,7 +173,27 @@ def sum_payloads(payloads: Payload) -> Payload:
   Returns:
     One payload: the leaf-wise sum over the leading axis.
   """
-  return _sum_leaves(payloads, lambda leaf: jnp.sum(leaf, axis=0), lambda leaf: leaf[0])
+  return _sum_leaves(payloads, sum_stacked, lambda leaf: leaf[0])
+
+
+def sum_stacked(stacked: jax.Array) -> jax.Array:
+  """``stacked.sum(axis=0)`` computed as a pairwise tree of elementwise adds of its rows.
+
+  XLA's CPU backend runs a reduction over the leading (major) axis of a row-major array at
+  about 35 ns per element (jaxlib 0.10: 80 ms for ``(2, 2359296)`` float32, 400 ms for
+  ``(8, 2359296)``), while adds of row slices fuse into one loop at memory speed (1.7 and
+  2.7 ms). Every sum of gathered or stacked payloads in the library goes through here.
+
+  Args:
+    stacked: array of shape ``(n, *shape)``, ``n >= 1``.
+
+  Returns:
+    Array of ``shape`` and ``stacked``'s dtype (integers are not widened: widen first).
+  """
+  rows = [stacked[i] for i in range(stacked.shape[0])]
+  while len(rows) > 1:
+    rows = [rows[i] + rows[i + 1] for i in range(0, len(rows) - 1, 2)] + rows[len(rows) // 2 * 2:]
+  return rows[0]
 
 
 def psum_payload(payload: Payload, axis_name: str) -> Payload:

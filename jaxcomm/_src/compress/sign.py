@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm._src.compress import chunks
-from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init, sum_stacked
 from jaxcomm._src.validation import check_int_range
 from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits
 
@@ -136,5 +136,5 @@ def majority_vote(payloads: VotePayload, shape) -> jax.Array:
   size = num_elements(shape)
   ones = jax.vmap(lambda bits: unpack_bits(bits, 1, size))(payloads.bits)
   # votes for +1 minus votes for -1, counted in int32 so any number of devices fits.
-  tally = 2 * jnp.sum(ones.astype(jnp.int32), axis=0) - ones.shape[0]
+  tally = 2 * sum_stacked(ones.astype(jnp.int32)) - ones.shape[0]
   return jnp.sign(tally).astype(jnp.float32).reshape(shape)
