@@ -18,8 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src.compress.powersgd import (back_project, from_matrix, orthogonalize, project,
-                                            to_matrix)
+from jaxcomm._src.compress.powersgd import orthogonalize
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
 
@@ -33,6 +32,11 @@ class PowerSGDLeafState(NamedTuple):
   """
   q: jax.Array
   residual: jax.Array
+
+
+def _rows(x: jax.Array) -> jax.Array:
+  """``to_matrix(x).T`` without moving data: ``x`` reshaped to ``(rest, out)``."""
+  return x.reshape(-1, x.shape[-1])
 
 
 def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafState | tuple],
@@ -55,24 +59,27 @@ def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   groups: dict[tuple, list[int]] = {}
   for index, (leaf, state) in enumerate(zip(leaves, states)):
     if isinstance(state, PowerSGDLeafState):
-      groups.setdefault((to_matrix(leaf).shape, state.q.shape), []).append(index)
+      groups.setdefault((_rows(leaf).shape, state.q.shape), []).append(index)
     else:
       outputs[index] = jax.lax.psum(leaf.astype(jnp.float32), slow_axis)
   for indices in groups.values():
+    # Each matrix is held as ``K = M^T``, the leaf reshaped to ``(rest, out)``: the products
+    # below contract ``K``'s axes directly, so no transposed copy of a gradient is made
+    # (XLA's CPU backend transposes at a small fraction of memory speed).
     corrected = jnp.stack([
-        to_matrix(leaves[i].astype(jnp.float32))
-        + (to_matrix(states[i].residual) if feedback else 0.0) for i in indices])
+        _rows(leaves[i].astype(jnp.float32))
+        + (_rows(states[i].residual) if feedback else 0.0) for i in indices])
     warm = jnp.stack([states[i].q for i in indices])
-    p = jax.lax.psum(jax.vmap(project)(corrected, warm), slow_axis)
+    p = jax.lax.psum(jnp.einsum("bko,bkr->bor", corrected, warm), slow_axis)         # M Q
     p = jax.vmap(lambda block: orthogonalize(block, epsilon))(p)
-    q = jax.lax.psum(jax.vmap(back_project)(corrected, p), slow_axis)
-    approx = jnp.einsum("bmr,bnr->bmn", p, q)
+    q = jax.lax.psum(jnp.einsum("bko,bor->bkr", corrected, p), slow_axis)            # M^T P
+    approx = jnp.einsum("bkr,bor->bko", q, p)                                        # (P Q^T)^T
     alive = jnp.linalg.norm(q, axis=1, keepdims=True) > 0
     next_q = jnp.where(alive, q, warm)
     for slot, i in enumerate(indices):
       shape = leaves[i].shape
-      outputs[i] = from_matrix(approx[slot], shape)
-      residual = (from_matrix(corrected[slot] - approx[slot] / hosts, shape) if feedback
+      outputs[i] = approx[slot].reshape(shape)
+      residual = ((corrected[slot] - approx[slot] / hosts).reshape(shape) if feedback
                   else states[i].residual)
       # A non-finite gradient anywhere poisons the summed factors: keep the old state.
       new_states[i] = keep_if(has_nonfinite(approx[slot]), states[i],
