@@ -13,9 +13,9 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm._src.optim.diloco import diloco
 from jaxcomm._src.optim.local_training import to_device_local
-from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, encode,
-                                           fast_mean, payload_bytes, sparse_sync,
-                                           sparseloco)
+from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, encode, fast_mean,
+                                           index_bits, pack_positions, payload_bytes,
+                                           sparse_sync, sparseloco, unpack_positions)
 from lowcomm_helpers import AXES, eval_loss, train
 from test_branches import branch_selectors, traced_step
 from update_helpers import apply_fn, update_fn
@@ -35,9 +35,10 @@ def test_payload_is_the_chunkwise_topk_on_a_packed_grid(bits):
   chunk, density = 64, 0.1
   payload, sent = encode(error, chunk, density, bits)
   assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits)
-  assert payload.indices.dtype == jnp.uint16
-  np.testing.assert_array_equal(decode(payload, 300, chunk, density, bits), sent)
   count, width, kept = chunk_layout(300, chunk, density)
+  assert payload.indices.dtype == jnp.uint8  # 6-bit positions in 64-element chunks, packed
+  assert payload.indices.size == -(-count * kept * 6 // 8)
+  np.testing.assert_array_equal(decode(payload, 300, chunk, density, bits), sent)
   rows = np.pad(np.asarray(error), (0, count * width - 300)).reshape(count, width)
   decoded = np.pad(np.asarray(sent), (0, count * width - 300)).reshape(count, width)
   for row, out in zip(rows, decoded):
@@ -50,6 +51,15 @@ def test_payload_is_the_chunkwise_topk_on_a_packed_grid(bits):
       levels = np.linspace(-scale, scale, 2**bits)
       nearest = levels[np.argmin(np.abs(row[chosen, None] - levels), axis=1)]
       np.testing.assert_allclose(out[chosen], nearest, atol=1e-5)
+
+
+@pytest.mark.parametrize("width", [1, 2, 7, 256, 257, 4096, 5000, 65536])
+def test_positions_round_trip_at_ceil_log2_width_bits(width):
+  positions = jax.random.randint(jax.random.PRNGKey(width), (37,), 0, width)
+  packed = pack_positions(positions, width)
+  assert index_bits(width) == max(1, int(np.ceil(np.log2(width))))
+  assert packed.dtype == jnp.uint8 and packed.size == -(-37 * index_bits(width) // 8)
+  np.testing.assert_array_equal(unpack_positions(packed, width, 37), positions)
 
 
 def test_density_one_at_32_bits_is_diloco_without_outer_momentum():

@@ -40,7 +40,9 @@ class SparsePayload(NamedTuple):
     codes: uint8 ``(ceil(c k bits / 8),)``: the kept values' grid codes, packed (float32
       ``(c, k)`` values themselves when ``bits = 32``).
     scales: float32 ``(c,)``: the largest kept magnitude of each chunk (``(0,)`` at 32 bits).
-    indices: uint16 ``(c, k)``: positions of the kept values inside their chunk.
+    indices: uint8 ``(ceil(c k b / 8),)``: positions of the kept values inside their
+      ``w``-element chunk, ``b = index_bits(w)`` bits each, packed (the low bytes, then the
+      high ``b - 8`` bits packed, when ``b > 8``).
   """
   codes: jax.Array
   scales: jax.Array
@@ -53,12 +55,37 @@ def chunk_layout(size: int, chunk: int, density: float) -> tuple[int, int, int]:
   return chunks.chunk_count(size, width), width, max(1, math.floor(density * width))
 
 
+def index_bits(width: int) -> int:
+  """Bits of a position inside a ``width``-element chunk: ``ceil(log2(width))``, at least 1
+  (12 for the default 4096)."""
+  return max(1, (width - 1).bit_length())
+
+
 def payload_bytes(size: int, chunk: int, density: float, bits: int) -> int:
   """Bytes of one :class:`SparsePayload` for a shard of ``size`` elements."""
-  count, _, kept = chunk_layout(size, chunk, density)
+  count, width, kept = chunk_layout(size, chunk, density)
+  positions = packed_nbytes(count * kept, index_bits(width))
   if bits == FULL_PRECISION:
-    return count * kept * (4 + 2)
-  return packed_nbytes(count * kept, bits) + 4 * count + 2 * count * kept
+    return 4 * count * kept + positions
+  return packed_nbytes(count * kept, bits) + 4 * count + positions
+
+
+def pack_positions(indices: jax.Array, width: int) -> jax.Array:
+  """uint8 ``(ceil(n b / 8),)``: ``n`` positions below ``width`` at ``b = index_bits(width)``
+  bits each (at most 16: the low bytes as they are, then the high bits packed)."""
+  flat, b = indices.reshape(-1).astype(jnp.uint32), index_bits(width)
+  if b <= 8:
+    return pack_bits(flat, b)
+  return jnp.concatenate([(flat & 0xFF).astype(jnp.uint8), pack_bits(flat >> 8, b - 8)])
+
+
+def unpack_positions(packed: jax.Array, width: int, count: int) -> jax.Array:
+  """Inverse of :func:`pack_positions`: int32 ``(count,)``."""
+  b = index_bits(width)
+  if b <= 8:
+    return unpack_bits(packed, b, count).astype(jnp.int32)
+  high = unpack_bits(packed[count:], b - 8, count).astype(jnp.int32)
+  return packed[:count].astype(jnp.int32) | (high << 8)
 
 
 def encode(error: jax.Array, chunk: int, density: float, bits: int):
@@ -68,7 +95,7 @@ def encode(error: jax.Array, chunk: int, density: float, bits: int):
   indices = jax.lax.top_k(jnp.abs(rows), kept)[1]
   values = jnp.take_along_axis(rows, indices, axis=1)
   if bits == FULL_PRECISION:
-    payload = SparsePayload(values, jnp.zeros((0,), jnp.float32), indices.astype(jnp.uint16))
+    payload = SparsePayload(values, jnp.zeros((0,), jnp.float32), pack_positions(indices, width))
   else:
     # 2**bits levels evenly spaced on [-s, s] (no zero level: kept values are the large
     # ones), rounded to nearest; the error feedback carries the rounding error.
@@ -76,7 +103,7 @@ def encode(error: jax.Array, chunk: int, density: float, bits: int):
     step = 2.0 * scales[:, None] / (2**bits - 1)
     codes = jnp.round((values + scales[:, None]) / jnp.where(step > 0, step, 1.0))
     codes = jnp.clip(codes, 0, 2**bits - 1).reshape(-1)
-    payload = SparsePayload(pack_bits(codes, bits), scales, indices.astype(jnp.uint16))
+    payload = SparsePayload(pack_bits(codes, bits), scales, pack_positions(indices, width))
   return payload, decode(payload, error.size, chunk, density, bits)
 
 
@@ -84,7 +111,9 @@ def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: 
   """The dense ``(size,)`` float32 vector of a payload; payloads with a leading axis of
   ``n`` devices are decoded and summed."""
   count, width, kept = chunk_layout(size, chunk, density)
-  indices = payload.indices.astype(jnp.int32)
+  flat_indices = payload.indices.reshape(-1, payload.indices.shape[-1])
+  indices = jax.vmap(lambda p: unpack_positions(p, width, count * kept))(flat_indices)
+  indices = indices.reshape(*payload.indices.shape[:-1], count, kept)
   if bits == FULL_PRECISION:
     values = payload.codes
   else:
@@ -182,7 +211,8 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
   ``Q(TopK_chunk(e_r))``: the ``k = max(1, floor(density w))`` largest-magnitude entries of
   every ``w``-element chunk (``w = min(chunk, shard)``), their values on a ``2**bits``-level
   grid spanning ``[-s, s]`` with ``s`` the chunk's largest kept magnitude (round to nearest,
-  codes packed), uint16 positions; ``e_r -= sent`` (decoded). Then
+  codes packed), positions packed at ``b = ceil(log2 w)`` bits (12 for ``w = 4096``);
+  ``e_r -= sent`` (decoded). Then
   ``theta_sync -= alpha mean_r(sent)`` and every device restarts from ``theta_sync``. The
   decayed error buffer replaces DiLoCo's outer momentum (the outer optimizer is plain SGD).
   ``bits = 32`` sends float32 values (no quantization); with ``density = 1`` and
@@ -196,7 +226,7 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
   ``k`` kept values:
 
   * ``slow_axis``: an all-gather of the payloads, ``(H - 1) (ceil(c k bits / 8) + 4 c +
-    2 c k)`` (at 32 bits ``(H - 1) 6 c k``);
+    ceil(c k b / 8))`` (at 32 bits ``(H - 1) (4 c k + ceil(c k b / 8))``);
   * ``fast_axis``: a reduce-scatter of the pseudo-gradient and an all-gather of the mean,
     ``2 (G - 1) 4 s``; plus on every inner step the gradient mean ``2 (G - 1)/G 4 d``.
 
@@ -210,7 +240,7 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
     bits: bits per kept value, in ``[1, 8]``, or 32 for float32 values.
     beta: error-feedback decay, in ``[0, 1)``.
     alpha: outer learning rate, ``> 0``.
-    chunk: chunk width, in ``[1, 65536]`` (uint16 positions).
+    chunk: chunk width, in ``[1, 65536]`` (positions of at most 16 bits).
     fast_axis: the intra-host mesh axis (full precision).
     slow_axis: the inter-host mesh axis (sparse, quantized).
 
