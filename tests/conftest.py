@@ -24,10 +24,10 @@ jax.config.update("jax_num_cpu_devices", 8)
 # `--no-loadscope-reorder`, so xdist keeps this order (its default sorts files by their
 # number of tests, which put test_mesh_scan's 5 long tests last). Other files keep theirs.
 LONGEST_FILES = (
-    "tests/test_mesh_scan.py", "tests/parallel/test_ring_attention.py",
-    "tests/reliability/test_faults.py", "tests/test_hsdp.py", "tests/parallel/test_moe.py",
-    "tests/optim/test_dgc.py", "tests/multiprocess/test_multiprocess.py",
-    "tests/test_mesh_scan_custom.py", "tests/test_planner.py",
+    "tests/test_mesh_scan.py", "tests/reliability/test_faults.py", "tests/test_hsdp.py",
+    "tests/parallel/test_moe.py", "tests/optim/test_dgc.py",
+    "tests/multiprocess/test_multiprocess.py", "tests/test_mesh_scan_custom.py",
+    "tests/parallel/test_ring_attention.py", "tests/test_planner.py",
     "tests/optim/test_quality_classification.py", "tests/models/test_transformer.py",
 )
 

@@ -10,6 +10,7 @@ import jaxcomm
 from jaxcomm import compress
 from jaxcomm._src.keys import as_key, check_seed, is_key, nth_key, raw_key
 from update_helpers import update_fn
+import fast_random
 
 # The compressors that read the key of encode (stochastic rounding, private random indices);
 # shared random indices, sketches and bases come from the compressor's seed, in its state.
@@ -107,7 +108,7 @@ def _mean(tx, grads):
   return np.asarray(update(grads, state)[0]["w"])
 
 
-GRADS = {"w": jax.random.normal(jax.random.PRNGKey(2), (8, 12, 10))}
+GRADS = {"w": fast_random.normal(jax.random.PRNGKey(2), (8, 12, 10))}
 
 
 def test_compressed_allreduce_draws_alike_from_an_int_and_a_typed_key():

@@ -11,6 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 from jaxcomm.collectives import init_states, level
+import fast_random
 
 AXES = ("host", "local")
 
@@ -38,7 +39,7 @@ def _allreduce(mesh, compressor, x_per_device, key=jax.random.PRNGKey(0), **kwar
 @pytest.mark.parametrize("shape", [(5, 7), (1,)])
 def test_identity_equals_pmean(hosts, local, shape):
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
-  x = jax.random.normal(jax.random.PRNGKey(1), (8, *shape))
+  x = fast_random.normal(jax.random.PRNGKey(1), (8, *shape))
   mean, _ = _allreduce(mesh, jaxcomm.identity(), x)
 
   @jax.jit
@@ -52,7 +53,7 @@ def test_identity_equals_pmean(hosts, local, shape):
 
 def test_full_precision_without_compressor_equals_mean_in_input_dtype():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  x = jax.random.normal(jax.random.PRNGKey(2), (8, 10)).astype(jnp.bfloat16)
+  x = fast_random.normal(jax.random.PRNGKey(2), (8, 10)).astype(jnp.bfloat16)
   mean, _ = _allreduce(mesh, None, x)
   assert mean.dtype == jnp.bfloat16
   chex.assert_trees_all_close(mean.astype(jnp.float32), jnp.mean(x.astype(jnp.float32), 0),
@@ -62,7 +63,7 @@ def test_full_precision_without_compressor_equals_mean_in_input_dtype():
 def test_topk_with_error_feedback_matches_a_numpy_reference():
   """Each device's host-summed shard is top-k'ed; hosts' decoded shards are summed."""
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  x = np.asarray(jax.random.normal(jax.random.PRNGKey(3), (8, 12)))
+  x = np.asarray(fast_random.normal(jax.random.PRNGKey(3), (8, 12)))
   mean, states = _allreduce(mesh, jaxcomm.topk(k=2), jnp.asarray(x), feedback=True,
                             strategy="gather")
   per_host = (x / 8).reshape(2, 4, 12).sum(axis=1)          # fast reduce: (host, 12)
@@ -83,7 +84,7 @@ def test_topk_with_error_feedback_matches_a_numpy_reference():
 
 def test_unbiased_int8_mean_over_many_keys():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  x = jax.random.normal(jax.random.PRNGKey(4), (8, 16))
+  x = fast_random.normal(jax.random.PRNGKey(4), (8, 16))
   run = _allreduce_fn(mesh, jaxcomm.quantize(2), (16,))
   samples = jnp.stack([run(x, jax.random.PRNGKey(k))[0] for k in range(400)])
   standard_error = jnp.std(samples, axis=0) / np.sqrt(len(samples))

@@ -18,6 +18,7 @@ import jaxcomm
 from jaxcomm import accounting
 from jaxcomm.collectives import init_states, level, pack, plan_buckets, unpack
 from update_helpers import update_fn
+import fast_random
 
 AXES = ("host", "local")
 
@@ -43,7 +44,7 @@ def _run_levels(mesh, levels, shape, steps=1):
 def test_dense_level_in_bfloat16():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   levels = (level("local", dtype=jnp.bfloat16), level("host"))
-  x = jax.random.normal(jax.random.PRNGKey(1), (8, 64))
+  x = fast_random.normal(jax.random.PRNGKey(1), (8, 64))
   (mean,) = _run_levels(mesh, levels, (64,))(x)
   chex.assert_trees_all_close(mean, jnp.mean(x, 0), atol=2e-2)
   assert float(jnp.max(jnp.abs(mean - jnp.mean(x, 0)))) > 0  # really rounded to bf16
@@ -54,7 +55,7 @@ def test_linear_shared_randomk_sums_payloads_exactly():
   mesh = jaxcomm.make_mesh(hosts=4, local=2)
   compressor = jaxcomm.compress.randomk(0.25, shared=True, scale=False)
   levels = (level("local"), level("host", compressor, strategy="linear", feedback=False))
-  x = jax.random.normal(jax.random.PRNGKey(2), (8, 64))
+  x = fast_random.normal(jax.random.PRNGKey(2), (8, 64))
   (mean,) = _run_levels(mesh, levels, (64,))(x)
   kept = np.asarray(mean) != 0
   assert kept.sum() == 2 * 8  # k = 8 of each device's 32-element shard, 2 shards
@@ -70,7 +71,7 @@ def test_linear_shared_randomk_sums_payloads_exactly():
 def test_two_phase_error_feedback_converges_to_the_mean(compressor):
   mesh = jaxcomm.make_mesh(hosts=4, local=2)
   levels = (level("local"), level("host", compressor, strategy="two_phase"))
-  x = jax.random.normal(jax.random.PRNGKey(3), (8, 96))
+  x = fast_random.normal(jax.random.PRNGKey(3), (8, 96))
   outputs = _run_levels(mesh, levels, (96,), steps=40)(x)
   target = jnp.mean(x, 0)
   one_step = float(jnp.linalg.norm(outputs[0] - target))
@@ -79,7 +80,7 @@ def test_two_phase_error_feedback_converges_to_the_mean(compressor):
 
 
 def test_two_phase_bytes_stay_near_twice_the_payload_while_gather_grows():
-  x = jax.random.normal(jax.random.PRNGKey(4), (8, 4096))
+  x = fast_random.normal(jax.random.PRNGKey(4), (8, 4096))
   host_bytes = {}
   for hosts, local in [(2, 4), (4, 2), (8, 1)]:
     mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
@@ -98,7 +99,7 @@ def test_two_phase_bytes_stay_near_twice_the_payload_while_gather_grows():
 
 def test_three_levels_nest_compressed_exchanges():
   mesh = jax.make_mesh((2, 2, 2), ("pod", "host", "local"), axis_types=(AxisType.Auto,) * 3)
-  x = jax.random.normal(jax.random.PRNGKey(5), (8, 40))
+  x = fast_random.normal(jax.random.PRNGKey(5), (8, 40))
   exact = (level("local"), level("host", jaxcomm.identity()), level("pod", jaxcomm.identity()))
   (mean,) = _run_levels(mesh, exact, (40,))(x)
   chex.assert_trees_all_close(mean, jnp.mean(x, 0), atol=1e-6)
@@ -121,7 +122,7 @@ def test_buckets_pack_exactly_and_respect_the_size_limit():
 def test_bucketing_issues_fewer_collectives_with_the_same_result():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   params = {f"w{i}": jnp.zeros((16, 8)) for i in range(6)}
-  grads = jax.tree.map(lambda p: jax.random.normal(jax.random.PRNGKey(6), (8, *p.shape)), params)
+  grads = jax.tree.map(lambda p: fast_random.normal(jax.random.PRNGKey(6), (8, *p.shape)), params)
   results, counts = [], []
   for bucket_bytes in (None, 1 << 20):
     tx = jaxcomm.compressed_allreduce(jaxcomm.identity(), feedback=False,
@@ -194,7 +195,7 @@ def test_every_device_ends_with_the_same_mean_under_stochastic_nested_compressio
     states = init_states(levels, 40, x.dtype)
     return jaxcomm.collectives.hierarchical_allreduce(x[0], levels, states, jax.random.PRNGKey(0))[0][None]
 
-  means = per_device(jax.random.normal(jax.random.PRNGKey(7), (8, 40)))
+  means = per_device(fast_random.normal(jax.random.PRNGKey(7), (8, 40)))
   for row in means[1:]:
     chex.assert_trees_all_equal(row, means[0])
 
@@ -202,7 +203,7 @@ def test_every_device_ends_with_the_same_mean_under_stochastic_nested_compressio
 @pytest.mark.parametrize("strategy", ["gather", "two_phase"])
 def test_psum_built_gather_gives_the_same_result_and_twice_the_bytes(strategy):
   mesh = jaxcomm.make_mesh(hosts=4, local=2)
-  x = jax.random.normal(jax.random.PRNGKey(8), (8, 200))
+  x = fast_random.normal(jax.random.PRNGKey(8), (8, 200))
   results, host_bytes = [], []
   for gather in ("all_gather", "psum"):
     levels = (level("local"), level("host", jaxcomm.topk(0.1), strategy=strategy, gather=gather))
@@ -227,7 +228,7 @@ def test_psum_gather_round_trips_every_payload_dtype():
                "bf16": x[0].astype(jnp.bfloat16), "i32": jnp.arange(5) + 7}
     return psum_gather(payload, "host")
 
-  x = jax.random.uniform(jax.random.PRNGKey(9), (8, 7)) * 20
+  x = fast_random.uniform(jax.random.PRNGKey(9), (8, 7)) * 20
   gathered = run(x)
   chex.assert_trees_all_equal(gathered["f32"], x)
   chex.assert_trees_all_equal(gathered["u8"], (x * 10).astype(jnp.uint8)[:, :3])

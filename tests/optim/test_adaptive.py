@@ -12,6 +12,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm._src.optim.adaptive import (adaptive_allreduce, bandwidth_controller, loss_controller,
                                          ratio_schedule)
+import fast_random
 
 AXES = ("host", "local")
 PARAMS = {"w": jnp.zeros((6, 8)), "b": jnp.zeros((8,))}
@@ -20,7 +21,7 @@ LADDER = (jaxcomm.topk(0.5), jaxcomm.topk(0.25), jaxcomm.topk(0.1))
 
 def _grads(step):
   return jax.tree.map(
-      lambda p: jax.random.normal(jax.random.fold_in(jax.random.PRNGKey(step), p.size),
+      lambda p: fast_random.normal(jax.random.fold_in(jax.random.PRNGKey(step), p.size),
                                   (8, *p.shape)), PARAMS)
 
 

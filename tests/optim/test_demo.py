@@ -10,6 +10,7 @@ from jaxcomm._src.optim.demo import (block_layout, dct, dct_basis, demo, from_bl
                                      sparse_coefficients, to_blocks)
 from lowcomm_helpers import eval_loss, sync_sgd, train
 from update_helpers import apply_fn, measure_update, update_fn
+import fast_random
 
 HOSTS, LOCAL = 2, 4
 PARAMS = {"w": jnp.zeros((12, 20)), "b": jnp.zeros((20,)), "t": jnp.zeros((3, 5, 8)),
@@ -19,7 +20,7 @@ PARAMS = {"w": jnp.zeros((12, 20)), "b": jnp.zeros((20,)), "t": jnp.zeros((3, 5,
 def host_grads(seed, params=PARAMS):
   """Per-device gradients ``(8, *shape)`` and their mean over each host's 4 devices."""
   keys = jax.random.split(jax.random.PRNGKey(seed), len(params))
-  grads = {name: jax.random.normal(key, (HOSTS * LOCAL, *leaf.shape))
+  grads = {name: fast_random.normal(key, (HOSTS * LOCAL, *leaf.shape))
            for key, (name, leaf) in zip(keys, sorted(params.items()))}
   means = {name: g.reshape(HOSTS, LOCAL, *g.shape[1:]).mean(axis=1) for name, g in grads.items()}
   return grads, means
@@ -38,7 +39,7 @@ def test_dct_basis_is_orthonormal_and_matches_the_dct_ii_definition():
 
 @pytest.mark.parametrize("shape", [(12, 20), (20,), (3, 5, 8), (), (64, 64)])
 def test_blocks_round_trip_and_the_2d_dct_inverts(shape):
-  x = jax.random.normal(jax.random.PRNGKey(0), shape)
+  x = fast_random.normal(jax.random.PRNGKey(0), shape)
   layout = block_layout(shape, 8, LOCAL)
   blocks = to_blocks(x, layout, LOCAL)
   assert blocks.shape == (LOCAL * layout.per_device, *layout.block)
@@ -49,7 +50,7 @@ def test_blocks_round_trip_and_the_2d_dct_inverts(shape):
 
 
 def test_kept_coefficients_are_the_k_largest_of_each_block():
-  x = jax.random.normal(jax.random.PRNGKey(1), (16, 16))
+  x = fast_random.normal(jax.random.PRNGKey(1), (16, 16))
   layout = block_layout(x.shape, 8, 1)
   blocks = to_blocks(x, layout, 1)
   values, indices, kept = sparse_coefficients(blocks, layout, 5)

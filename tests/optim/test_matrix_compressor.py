@@ -8,6 +8,7 @@ import pytest
 
 import jaxcomm
 from update_helpers import measure_update, update_fn
+import fast_random
 
 M, N, BIAS, RANK = 48, 32, 32, 2
 
@@ -40,8 +41,8 @@ def test_skip_adds_only_the_four_byte_agreement():
 
 def test_updates_equal_powersgd_allreduce_with_the_compressor_parameters():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, M, N)),
-           "b": jax.random.normal(jax.random.PRNGKey(1), (8, BIAS))}
+  grads = {"w": fast_random.normal(jax.random.PRNGKey(0), (8, M, N)),
+           "b": fast_random.normal(jax.random.PRNGKey(1), (8, BIAS))}
   outputs = []
   for tx in (jaxcomm.compressed_allreduce(jaxcomm.powersgd(RANK, seed=3), nonfinite="propagate"),
              jaxcomm.powersgd_allreduce(RANK, seed=3)):
@@ -92,8 +93,8 @@ def test_gradzip_sends_each_hosts_sketch_summed_over_hosts():
 
 def test_gradzip_mean_is_the_sketch_of_the_mean_and_feedback_telescopes():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": jax.random.normal(jax.random.PRNGKey(0), (8, M, N)),
-           "b": jax.random.normal(jax.random.PRNGKey(1), (8, BIAS))}
+  grads = {"w": fast_random.normal(jax.random.PRNGKey(0), (8, M, N)),
+           "b": fast_random.normal(jax.random.PRNGKey(1), (8, BIAS))}
   compressor = jaxcomm.compress.gradzip(RANK, seed=5)
   tx = jaxcomm.compressed_allreduce(compressor, nonfinite="propagate")
   state, update = update_fn(tx, _params(), mesh)

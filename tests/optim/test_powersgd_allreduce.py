@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
+import fast_random
 
 AXES = ("host", "local")
 
@@ -33,9 +34,9 @@ def _stepper(mesh, tx, params, steps):
 def _low_rank_grads(rank, shape=(24, 16), seed=0):
   """Per-device gradients whose mean has rank ``rank``."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-  left = jax.random.normal(keys[0], (shape[0], rank))
-  right = jax.random.normal(keys[1], (rank, shape[1]))
-  mixing = jax.random.normal(keys[2], (8, rank))
+  left = fast_random.normal(keys[0], (shape[0], rank))
+  right = fast_random.normal(keys[1], (rank, shape[1]))
+  mixing = fast_random.normal(keys[2], (8, rank))
   # Each device holds a different combination of the same rank-`rank` factors.
   return jnp.einsum("dr,mr,rn->dmn", mixing, left, right)
 
@@ -43,7 +44,7 @@ def _low_rank_grads(rank, shape=(24, 16), seed=0):
 @pytest.mark.parametrize("rank", [1, 3])
 def test_rank_at_least_the_matrix_rank_reproduces_the_dense_mean(rank):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": _low_rank_grads(rank), "b": jax.random.normal(jax.random.PRNGKey(9), (8, 16))}
+  grads = {"w": _low_rank_grads(rank), "b": fast_random.normal(jax.random.PRNGKey(9), (8, 16))}
   tx = jaxcomm.powersgd_allreduce(rank=rank, min_compression_rate=1.0)
   run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=1)
   outputs, new_state = run(grads, state)
@@ -57,11 +58,11 @@ def test_rank_at_least_the_matrix_rank_reproduces_the_dense_mean(rank):
 def test_warm_started_iterations_converge_to_the_best_rank_r_approximation():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   keys = jax.random.split(jax.random.PRNGKey(1), 3)
-  left, _ = jnp.linalg.qr(jax.random.normal(keys[0], (40, 30)))
-  right, _ = jnp.linalg.qr(jax.random.normal(keys[1], (30, 30)))
+  left, _ = jnp.linalg.qr(fast_random.normal(keys[0], (40, 30)))
+  right, _ = jnp.linalg.qr(fast_random.normal(keys[1], (30, 30)))
   spectrum = jnp.array([6.0, 4.0] + [1.0 / (i + 1) for i in range(28)])  # gap 4 -> 1
   target = (left * spectrum) @ right.T
-  noise = jax.random.normal(keys[2], (8, 40, 30))
+  noise = fast_random.normal(keys[2], (8, 40, 30))
   grads = {"w": target + noise - jnp.mean(noise, 0)}  # per-device gradients, mean = target
   mean = np.asarray(jnp.mean(grads["w"], 0))
   u, s, vt = np.linalg.svd(mean)
@@ -80,7 +81,7 @@ def test_warm_started_iterations_converge_to_the_best_rank_r_approximation():
 def test_error_feedback_identity_over_steps():
   """sum of outputs + the hosts' residuals == sum of the inputs' mean, step after step."""
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": jax.random.normal(jax.random.PRNGKey(2), (8, 32, 32))}
+  grads = {"w": fast_random.normal(jax.random.PRNGKey(2), (8, 32, 32))}
   tx = jaxcomm.powersgd_allreduce(rank=1)
   run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=6)
   outputs, new_state = run(grads, state)
@@ -91,7 +92,7 @@ def test_error_feedback_identity_over_steps():
 
 def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": jax.random.normal(jax.random.PRNGKey(3), (8, 64, 48)),
+  grads = {"w": fast_random.normal(jax.random.PRNGKey(3), (8, 64, 48)),
            "b": jnp.ones((8, 48))}
   tx = jaxcomm.powersgd_allreduce(rank=2, warmup_steps=2)
   run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=3)
@@ -112,7 +113,7 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
 
 def test_non_finite_gradients_leave_the_state_finite():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  grads = {"w": jax.random.normal(jax.random.PRNGKey(4), (8, 16, 16)).at[3, 0, 0].set(jnp.nan)}
+  grads = {"w": fast_random.normal(jax.random.PRNGKey(4), (8, 16, 16)).at[3, 0, 0].set(jnp.nan)}
   tx = jaxcomm.powersgd_allreduce(rank=1)
   run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=1)
   _, new_state = run(grads, state)

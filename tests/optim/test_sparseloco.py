@@ -19,6 +19,7 @@ from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, encode, fast_me
 from lowcomm_helpers import AXES, eval_loss, train
 from test_branches import branch_selectors, traced_step
 from update_helpers import apply_fn, update_fn
+import fast_random
 
 HOSTS, LOCAL = 2, 4
 INNER = functools.partial(optax.adam, 3e-3)
@@ -31,7 +32,7 @@ def dense_reference(period):
 
 @pytest.mark.parametrize("bits", [1, 2, 4, 32])
 def test_payload_is_the_chunkwise_topk_on_a_packed_grid(bits):
-  error = jax.random.normal(jax.random.PRNGKey(bits), (300,))
+  error = fast_random.normal(jax.random.PRNGKey(bits), (300,))
   chunk, density = 64, 0.1
   payload, sent = encode(error, chunk, density, bits)
   assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits)
@@ -72,7 +73,7 @@ def test_error_buffer_keeps_exactly_what_was_not_sent():
   mesh = jaxcomm.make_mesh(hosts=HOSTS, local=LOCAL)
   params = {"w": jnp.zeros((16, 20)), "b": jnp.zeros((20,))}
   state, update = update_fn(sparse_sync(0.1, 2, 0.5, 16, "local", "host"), params, mesh)
-  deltas = {name: jax.random.normal(jax.random.PRNGKey(i), (HOSTS * LOCAL, *p.shape))
+  deltas = {name: fast_random.normal(jax.random.PRNGKey(i), (HOSTS * LOCAL, *p.shape))
             for i, (name, p) in enumerate(sorted(params.items()))}
   out, state = update(deltas, state)
   for name, p in params.items():

@@ -10,13 +10,14 @@ import pytest
 from hypothesis import strategies as st
 
 from jaxcomm._src.parallel import blocks
+import fast_random
 
 
 def _qkv(seq_q, seq_k, heads=4, kv_heads=2, dim=8, dtype=jnp.float32, seed=0):
   keys = jax.random.split(jax.random.key(seed), 3)
-  return (jax.random.normal(keys[0], (2, seq_q, heads, dim), dtype),
-          jax.random.normal(keys[1], (2, seq_k, kv_heads, dim), dtype),
-          jax.random.normal(keys[2], (2, seq_k, kv_heads, dim), dtype))
+  return (fast_random.normal(keys[0], (2, seq_q, heads, dim), dtype),
+          fast_random.normal(keys[1], (2, seq_k, kv_heads, dim), dtype),
+          fast_random.normal(keys[2], (2, seq_k, kv_heads, dim), dtype))
 
 
 @functools.partial(jax.jit, static_argnums=3)

@@ -9,6 +9,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxcomm.parallel import gather_sequence, reduce_scatter_sequence, split_sequence
+import fast_random
 
 TP = 4
 BATCH, SEQ, EMBED, HEADS, HEAD_DIM, HIDDEN = 2, 12, 16, 4, 4, 32
@@ -16,10 +17,10 @@ BATCH, SEQ, EMBED, HEADS, HEAD_DIM, HIDDEN = 2, 12, 16, 4, 4, 32
 
 def _params(seed=0):
   keys = jax.random.split(jax.random.key(seed), 6)
-  normal = lambda key, shape: jax.random.normal(key, shape) * shape[0] ** -0.5  # noqa: E731
+  normal = lambda key, shape: fast_random.normal(key, shape) * shape[0] ** -0.5  # noqa: E731
   return {
-      "ln1": 1.0 + 0.1 * jax.random.normal(keys[0], (EMBED,)),
-      "ln2": 1.0 + 0.1 * jax.random.normal(keys[1], (EMBED,)),
+      "ln1": 1.0 + 0.1 * fast_random.normal(keys[0], (EMBED,)),
+      "ln2": 1.0 + 0.1 * fast_random.normal(keys[1], (EMBED,)),
       "qkv": normal(keys[2], (EMBED, 3, HEADS, HEAD_DIM)),
       "out": normal(keys[3], (HEADS, HEAD_DIM, EMBED)),
       "fc1": normal(keys[4], (EMBED, HIDDEN)),
@@ -61,8 +62,8 @@ def _unsharded_block(params, x):
 
 def test_sequence_parallel_block_equals_unsharded_forward_and_backward():
   params = _params()
-  x = jax.random.normal(jax.random.key(1), (BATCH, SEQ, EMBED))
-  d_out = jax.random.normal(jax.random.key(2), (BATCH, SEQ, EMBED))
+  x = fast_random.normal(jax.random.key(1), (BATCH, SEQ, EMBED))
+  d_out = fast_random.normal(jax.random.key(2), (BATCH, SEQ, EMBED))
 
   @functools.partial(jax.jit, static_argnums=0)
   def value_and_grads(block, params, x):

@@ -10,14 +10,15 @@ from jax.sharding import PartitionSpec as P
 
 from jaxcomm.parallel import from_layout, hybrid_attention, to_layout, ulysses_attention
 from jaxcomm._src.topology import make_mesh
+import fast_random
 
 
 def _inputs(seq, heads, kv_heads, dim=8, batch=2, seed=1):
   keys = jax.random.split(jax.random.key(seed), 4)
   shape = (batch, seq, heads, dim)
   kv_shape = (batch, seq, kv_heads, dim)
-  return (jax.random.normal(keys[0], shape), jax.random.normal(keys[1], kv_shape),
-          jax.random.normal(keys[2], kv_shape), jax.random.normal(keys[3], shape))
+  return (fast_random.normal(keys[0], shape), fast_random.normal(keys[1], kv_shape),
+          fast_random.normal(keys[2], kv_shape), fast_random.normal(keys[3], shape))
 
 
 @functools.partial(jax.jit, static_argnums=0)
