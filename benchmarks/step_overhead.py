@@ -35,6 +35,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                       help="comma-separated mesh_scan methods; 'identity' is the reference")
   parser.add_argument("--model", default="charlm", help="mesh_scan task")
+  parser.add_argument("--hidden", default=None,
+                      help="comma-separated hidden widths of the task's model (mesh_scan's "
+                      "default when omitted), e.g. 1536,1536,1536 for slow_link's MLP")
   parser.add_argument("--mesh", default="2x4", help="HOSTSxLOCAL simulated devices")
   parser.add_argument("--rounds", type=int, default=60, help="timed rounds")
   parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
@@ -49,6 +52,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.error(f"--mesh must be HOSTSxLOCAL, e.g. 2x4, got {args.mesh!r}")
   args.hosts, args.local = int(hosts), int(local)
   args.tree = [tree.split("=", 1) for tree in args.tree]
+  try:
+    args.hidden = (None if args.hidden is None
+                   else tuple(int(width) for width in args.hidden.split(",")))
+  except ValueError:
+    parser.error(f"--hidden must be comma-separated integers, got {args.hidden!r}")
   if any(len(tree) != 2 or not os.path.isdir(os.path.join(tree[1], "jaxcomm"))
          for tree in args.tree):
     parser.error(f"--tree must be LABEL=PATH of a checkout holding jaxcomm/, got {args.tree}")
@@ -67,7 +75,7 @@ def compile_steps(args, mesh) -> dict:
   from benchmarks.scan.methods import REGISTRY, Setting
   from benchmarks.scan.tasks import BATCH, TASKS
   steps = args.warmup + args.rounds
-  task = TASKS[args.model]("default", BATCH[args.model] * mesh.size, steps, 0)
+  task = TASKS[args.model]("default", BATCH[args.model] * mesh.size, steps, 0, args.hidden)
   setting = Setting(lr=task.lr, seed=0, topk_density=0.01, sketch_density=0.02,
                     hosts=args.hosts, local=args.local, params=task.params, steps=300)
   sharding = NamedSharding(mesh, PartitionSpec(tuple(mesh.axis_names)))
