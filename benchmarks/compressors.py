@@ -14,7 +14,8 @@ prints:
   removes, ``(4 d - wire_bytes) / 125 MB/s``, over its encode + decode time. Below 1 the
   compressor costs more than it saves on such a link (``identity`` removes nothing: ``-``).
 
-Inputs and states are donated to the jitted call (a fresh copy is made, untimed, before every
+Compressors of any array get the input flattened to 1-D, as the engine hands them a flat
+shard (PowerSGD gets the matrix). Inputs and states are donated to the jitted call (a fresh copy is made, untimed, before every
 call), for the copy too: a gradient is dead once compressed, and without donation every
 16M-element call would pay for a fresh 64 MB output buffer (on this CPU backend such buffers
 are mapped and page-faulted anew each call, which makes a copy at 16M ten times slower than
@@ -122,7 +123,15 @@ def time_call(function, argument, repeats: int) -> float:
 
 
 def measure(compressor: Compressor, leaves: list[jax.Array], repeats: int) -> tuple[float, ...]:
-  """(ratio, relative error, seconds, bytes removed) of one encode + decode of every leaf."""
+  """(ratio, relative error, seconds, bytes removed) of one encode + decode of every leaf.
+
+  A compressor of any array gets each leaf flattened to 1-D (untimed), as the engine hands it
+  a flat shard; only a matrix method (PowerSGD) gets the matrix. On a 2-D leaf XLA's CPU
+  backend cannot write the decoded tensor into the donated input's buffer through the
+  reshapes to and from the 1-D payload, and adds a 64 MB temporary and a copy at 16M.
+  """
+  if not compressor.needs_matrix:
+    leaves = [leaf.reshape(-1) for leaf in leaves]
 
   # States are arguments, not constants made inside jit: XLA would otherwise constant-fold
   # work that depends only on them (e.g. hashing from a fixed key) into the compile time.
