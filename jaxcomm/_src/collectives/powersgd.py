@@ -18,7 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src.compress.powersgd import orthogonalize
+from jaxcomm._src.compress.powersgd import (approximation_rows, as_rows, back_project_rows,
+                                            orthogonalize, project_rows)
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
 
@@ -32,11 +33,6 @@ class PowerSGDLeafState(NamedTuple):
   """
   q: jax.Array
   residual: jax.Array
-
-
-def _rows(x: jax.Array) -> jax.Array:
-  """``to_matrix(x).T`` without moving data: ``x`` reshaped to ``(rest, out)``."""
-  return x.reshape(-1, x.shape[-1])
 
 
 def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafState | tuple],
@@ -59,21 +55,19 @@ def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   groups: dict[tuple, list[int]] = {}
   for index, (leaf, state) in enumerate(zip(leaves, states)):
     if isinstance(state, PowerSGDLeafState):
-      groups.setdefault((_rows(leaf).shape, state.q.shape), []).append(index)
+      groups.setdefault((as_rows(leaf).shape, state.q.shape), []).append(index)
     else:
       outputs[index] = jax.lax.psum(leaf.astype(jnp.float32), slow_axis)
   for indices in groups.values():
-    # Each matrix is held as ``K = M^T``, the leaf reshaped to ``(rest, out)``: the products
-    # below contract ``K``'s axes directly, so no transposed copy of a gradient is made
-    # (XLA's CPU backend transposes at a small fraction of memory speed).
+    # Each matrix is held as ``M^T`` (:func:`as_rows`): no transposed copy is made.
     corrected = jnp.stack([
-        _rows(leaves[i].astype(jnp.float32))
-        + (_rows(states[i].residual) if feedback else 0.0) for i in indices])
+        as_rows(leaves[i].astype(jnp.float32))
+        + (as_rows(states[i].residual) if feedback else 0.0) for i in indices])
     warm = jnp.stack([states[i].q for i in indices])
-    p = jax.lax.psum(jnp.einsum("bko,bkr->bor", corrected, warm), slow_axis)         # M Q
+    p = jax.lax.psum(project_rows(corrected, warm), slow_axis)
     p = jax.vmap(lambda block: orthogonalize(block, epsilon))(p)
-    q = jax.lax.psum(jnp.einsum("bko,bor->bkr", corrected, p), slow_axis)            # M^T P
-    approx = jnp.einsum("bkr,bor->bko", q, p)                                        # (P Q^T)^T
+    q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
+    approx = approximation_rows(p, q)
     alive = jnp.linalg.norm(q, axis=1, keepdims=True) > 0
     next_q = jnp.where(alive, q, warm)
     for slot, i in enumerate(indices):

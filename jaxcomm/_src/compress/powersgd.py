@@ -66,6 +66,31 @@ def compression_rate(shape: tuple[int, ...], rank: int) -> float:
   return m * n / (rank * (m + n)) if m * n else 0.0
 
 
+def as_rows(x: jax.Array) -> jax.Array:
+  """``to_matrix(x).T`` without moving data: ``x`` reshaped to ``(rest, out)``.
+
+  The ``_rows`` functions below take ``M`` in this layout and contract its axes directly, so
+  no transposed copy of a gradient is made (XLA's CPU backend transposes far below memory
+  speed); their results are those of :func:`project`, :func:`back_project` and ``P Q^T``.
+  """
+  return x.reshape(-1, x.shape[-1])
+
+
+def project_rows(rows: jax.Array, q: jax.Array) -> jax.Array:
+  """``P = M Q`` from ``rows = M^T`` of shape ``(..., n, m)``: shape ``(..., m, r)``."""
+  return jnp.einsum("...ko,...kr->...or", rows, q)
+
+
+def back_project_rows(rows: jax.Array, p: jax.Array) -> jax.Array:
+  """``Q = M^T P`` from ``rows = M^T``: shape ``(..., n, r)``."""
+  return jnp.einsum("...ko,...or->...kr", rows, p)
+
+
+def approximation_rows(p: jax.Array, q: jax.Array) -> jax.Array:
+  """``(P Q^T)^T = Q P^T``, the rank-r approximation in the ``rows`` layout: ``(..., n, m)``."""
+  return jnp.einsum("...kr,...or->...ko", q, p)
+
+
 def project(matrix: jax.Array, q: jax.Array) -> jax.Array:
   """``P = M Q``: shape ``(m, r)``. Average it over devices (``psum / p``), then orthogonalize."""
   return matrix @ q
@@ -162,16 +187,16 @@ def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float
     del key
     if not factorized(x.shape):
       return x.reshape(-1).astype(jnp.float32), state
-    matrix = to_matrix(x.astype(jnp.float32))
-    p = orthogonalize(project(matrix, state.q), epsilon)
-    q = back_project(matrix, p)
+    rows = as_rows(x.astype(jnp.float32))
+    p = orthogonalize(project_rows(rows, state.q), epsilon)
+    q = back_project_rows(rows, p)
     alive = jnp.linalg.norm(q, axis=0) > 0
     return PowerSGDPayload(p, q), PowerSGDState(jnp.where(alive, q, state.q))
 
   def decode(payload, shape) -> jax.Array:
     if not factorized(shape):
       return payload.reshape(shape)
-    return from_matrix(payload.p @ payload.q.T, tuple(shape))
+    return approximation_rows(payload.p, payload.q).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
