@@ -111,15 +111,17 @@ def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: 
   """The dense ``(size,)`` float32 vector of a payload; payloads with a leading axis of
   ``n`` devices are decoded and summed."""
   count, width, kept = chunk_layout(size, chunk, density)
-  flat_indices = payload.indices.reshape(-1, payload.indices.shape[-1])
-  indices = jax.vmap(lambda p: unpack_positions(p, width, count * kept))(flat_indices)
-  indices = indices.reshape(*payload.indices.shape[:-1], count, kept)
+
+  def unpacked(packed, unpack):  # per payload, whatever the leading device axes
+    rows = jax.vmap(unpack)(packed.reshape(-1, packed.shape[-1]))
+    return rows.reshape(*packed.shape[:-1], count, kept)
+
+  indices = unpacked(payload.indices, lambda p: unpack_positions(p, width, count * kept))
   if bits == FULL_PRECISION:
     values = payload.codes
   else:
-    flat_codes = payload.codes.reshape(-1, payload.codes.shape[-1])
-    codes = jax.vmap(lambda c: unpack_bits(c, bits, count * kept))(flat_codes)
-    codes = codes.reshape(indices.shape).astype(jnp.float32)
+    codes = unpacked(payload.codes, lambda c: unpack_bits(c, bits, count * kept))
+    codes = codes.astype(jnp.float32)
     scales = payload.scales[..., None]
     values = codes * (2.0 * scales / (2**bits - 1)) - scales
   positions = jnp.arange(count, dtype=jnp.int32)[:, None] * width + indices
