@@ -4,7 +4,7 @@ behind docs/algorithms.md ("On the GPT quality task") and docs/quality.md (secti
 A method name ``BASE@key=value@key=value`` is the registry method ``BASE`` built with those
 keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.015625@beta=0.9``
 (``sparseloco-hH``: ``H`` is the period; keys: ``density``, ``bits``, ``beta``, ``alpha``,
-``chunk``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``, ``weight_decay``;
+``chunk``, ``block``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``, ``weight_decay``;
 ``compress-updates``, :func:`jaxcomm.optim.compress_updates` of AdamW: ``topk`` (fraction),
 ``sign``, ``feedback``, ``debias`` (``True``: :func:`jaxcomm.optim.host_adamw` with
 ``host_variance=True``); ``topk-ef``, top-k in front of AdamW
@@ -33,7 +33,8 @@ _DEMO = {"beta": float, "chunk": int, "topk": int, "sign": lambda v: v == "True"
 _COMPRESS_UPDATES = {"topk": float, "sign": lambda v: v == "True", "rsign": float,
                      "feedback": str, "debias": lambda v: v == "True"}
 _TOPK_EF = {"feedback": str}
-_SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int}
+_SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int,
+               "block": int}
 
 
 def _kwargs(name: str, types: dict) -> dict:
@@ -61,7 +62,8 @@ def variant(name: str) -> methods.Method:
     return methods.Method(
         name, f"SparseLoCo, period {period}, {kw}",
         lambda s: jaxcomm.sparseloco(optax.adamw(s.lr), period, **kw),
-        methods._sparseloco_project(period, kw["density"], kw["bits"], kw["chunk"]),
+        methods._sparseloco_project(period, kw["density"], kw["bits"], kw["chunk"],
+                                    kw.get("block")),
         make_step=jaxcomm.optim.local_training_step, device_local=True, comm_every=period)
   if base == "compress-updates":
     kw = _kwargs(name, _COMPRESS_UPDATES)

@@ -8,6 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -30,28 +32,56 @@ def dense_reference(period):
   return diloco(optax.chain(fast_mean("local"), INNER()), period, outer=optax.sgd(1.0))
 
 
-@pytest.mark.parametrize("bits", [1, 2, 4, 32])
-def test_payload_is_the_chunkwise_topk_on_a_packed_grid(bits):
+def chosen_per_block(error, layout):
+  """numpy reference: per chunk, the flat positions (inside the chunk) of the top ``m`` of
+  |error| in each ``v``-element block."""
+  rows = np.pad(np.asarray(error), (0, layout.count * layout.width - error.size))
+  rows = rows.reshape(layout.count, layout.blocks, layout.block)
+  top = np.argsort(-np.abs(rows), axis=2, kind="stable")[..., :layout.kept]
+  return rows.reshape(layout.count, -1), (
+      top + layout.block * np.arange(layout.blocks)[:, None]).reshape(layout.count, -1)
+
+
+@pytest.mark.parametrize("bits, block", [(1, None), (2, None), (4, None), (32, None), (2, 8)])
+def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block):
   error = fast_random.normal(jax.random.PRNGKey(bits), (300,))
-  chunk, density = 64, 0.1
-  payload, sent = encode(error, chunk, density, bits)
-  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits)
-  count, width, kept = chunk_layout(300, chunk, density)
-  assert payload.indices.dtype == jnp.uint8  # 6-bit positions in 64-element chunks, packed
-  assert payload.indices.size == -(-count * kept * 6 // 8)
-  np.testing.assert_array_equal(decode(payload, 300, chunk, density, bits), sent)
-  rows = np.pad(np.asarray(error), (0, count * width - 300)).reshape(count, width)
-  decoded = np.pad(np.asarray(sent), (0, count * width - 300)).reshape(count, width)
-  for row, out in zip(rows, decoded):
-    chosen = np.argsort(-np.abs(row))[:kept]
-    assert set(np.flatnonzero(out)) <= set(chosen)
-    scale = np.abs(row[chosen]).max()
+  chunk, density = 64, 0.1 if block is None else 0.25
+  payload, sent = encode(error, chunk, density, bits, block)
+  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits, block)
+  layout = chunk_layout(300, chunk, density, block)
+  b = 6 if block is None else index_bits(block)  # 6-bit positions in 64-element chunks
+  assert payload.indices.dtype == jnp.uint8
+  assert payload.indices.size == -(-layout.sent * b // 8)
+  np.testing.assert_array_equal(decode(payload, 300, chunk, density, bits, block), sent)
+  rows, chosen = chosen_per_block(error, layout)
+  decoded = np.pad(np.asarray(sent), (0, rows.size - 300)).reshape(rows.shape)
+  for start, row, out, kept in zip(range(0, rows.size, layout.width), rows, decoded, chosen):
+    assert set(np.flatnonzero(out)) <= set(kept)
+    kept = kept[start + kept < 300]  # what was chosen in the padding is not decoded
+    scale = np.abs(row[kept]).max()
     if bits == 32:
-      np.testing.assert_array_equal(out[chosen], row[chosen])
+      np.testing.assert_array_equal(out[kept], row[kept])
     else:  # nearest of 2**bits levels on [-scale, scale]
       levels = np.linspace(-scale, scale, 2**bits)
-      nearest = levels[np.argmin(np.abs(row[chosen, None] - levels), axis=1)]
-      np.testing.assert_allclose(out[chosen], nearest, atol=1e-5)
+      nearest = levels[np.argmin(np.abs(row[kept, None] - levels), axis=1)]
+      np.testing.assert_allclose(out[kept], nearest, atol=1e-5)
+
+
+@settings(max_examples=12, deadline=None)
+@given(size=st.integers(1, 200), block=st.sampled_from([None, 1, 2, 4, 16]),
+       chunks_per=st.integers(1, 4), kept=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_float32_payload_round_trips_exactly_the_top_of_every_block(size, block, chunks_per,
+                                                                     kept, seed):
+  chunk = (block or 8) * chunks_per
+  density = min(kept, block or chunk) / (block or chunk)
+  error = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+  layout = chunk_layout(size, chunk, density, block)
+  payload, sent = jax.jit(encode, static_argnums=(1, 2, 3, 4))(error, chunk, density, 32, block)
+  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(size, chunk, density, 32, block)
+  rows, chosen = chosen_per_block(error, layout)
+  expected = np.zeros_like(rows)
+  np.put_along_axis(expected, chosen, np.take_along_axis(rows, chosen, axis=1), axis=1)
+  np.testing.assert_array_equal(np.asarray(sent), expected.reshape(-1)[:size])
 
 
 @pytest.mark.parametrize("width", [1, 2, 7, 256, 257, 4096, 5000, 65536])
@@ -85,10 +115,11 @@ def test_error_buffer_keeps_exactly_what_was_not_sent():
     assert np.all(np.count_nonzero(host_mean - error > 1e-7, axis=1) < 0.5 * p.size)
 
 
-def test_bytes_per_step_match_the_formula():
+@pytest.mark.parametrize("block", [None, 4])
+def test_bytes_per_step_match_the_formula(block):
   mesh, period, chunk, density, bits = jaxcomm.make_mesh(hosts=HOSTS, local=LOCAL), 4, 16, 0.1, 2
   params = {"w": jnp.zeros((16, 20)), "b": jnp.zeros((20,))}
-  tx = sparseloco(INNER(), period, density=density, bits=bits, chunk=chunk)
+  tx = sparseloco(INNER(), period, density=density, bits=bits, chunk=chunk, block=block)
   state, step = apply_fn(tx, to_device_local(params, mesh), mesh, P(AXES))
   grads = jax.tree.map(lambda p: jnp.zeros((HOSTS * LOCAL, *p.shape)), params)
   report = jaxcomm.accounting.measure(step, to_device_local(params, mesh), state, grads,
@@ -96,7 +127,8 @@ def test_bytes_per_step_match_the_formula():
   (switch,) = report.conditionals()
   measured = report.link_bytes(branch_weights={switch: [1 - 1 / period, 1 / period]})
   shards = [-(-p.size // LOCAL) for p in params.values()]
-  slow = sum((HOSTS - 1) * payload_bytes(s, chunk, density, bits) for s in shards) / period
+  slow = sum((HOSTS - 1) * payload_bytes(s, chunk, density, bits, block)
+             for s in shards) / period
   fast = sum(2 * (LOCAL - 1) / LOCAL * 4 * p.size for p in params.values()) + sum(
       2 * (LOCAL - 1) * 4 * s for s in shards) / period
   assert measured == pytest.approx({"host": slow, "local": fast})
@@ -126,6 +158,10 @@ def test_trains_the_mlp_close_to_its_dense_reference():
     ({"alpha": 0.0}, "alpha must be a finite float > 0, got 0.0"),
     ({"chunk": 0}, r"chunk must be in \[1, 65536\], got 0"),
     ({"chunk": 65537}, r"chunk must be in \[1, 65536\], got 65537"),
+    ({"block": 0}, r"block must be in \[1, 4096\], got 0"),
+    ({"chunk": 64, "block": 128}, r"block must be in \[1, 64\], got 128"),
+    ({"block": 3}, r"block must divide chunk \(4096\), got 3"),
+    ({"block": 2.0}, r"block must be an int, got 2.0"),
     ({"fast_axis": "host"}, "fast_axis and slow_axis must differ"),
 ])
 def test_bad_arguments_raise_at_construction_naming_parameter_and_value(kwargs, match):

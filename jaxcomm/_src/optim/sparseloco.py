@@ -34,14 +34,15 @@ class SparseLoCoSyncState(NamedTuple):
 
 
 class SparsePayload(NamedTuple):
-  """What one device sends over the slow axis for one leaf shard of ``c`` chunks.
+  """What one device sends over the slow axis for one leaf shard of ``c`` chunks, ``n``
+  blocks per chunk and ``m`` kept values per block (:class:`Layout`).
 
   Attributes:
-    codes: uint8 ``(ceil(c k bits / 8),)``: the kept values' grid codes, packed (float32
-      ``(c, k)`` values themselves when ``bits = 32``).
+    codes: uint8 ``(ceil(c n m bits / 8),)``: the kept values' grid codes, packed (float32
+      ``(c, n m)`` values themselves when ``bits = 32``).
     scales: float32 ``(c,)``: the largest kept magnitude of each chunk (``(0,)`` at 32 bits).
-    indices: uint8 ``(ceil(c k b / 8),)``: positions of the kept values inside their
-      ``w``-element chunk, ``b = index_bits(w)`` bits each, packed (the low bytes, then the
+    indices: uint8 ``(ceil(c n m b / 8),)``: positions of the kept values inside their
+      ``v``-element block, ``b = index_bits(v)`` bits each, packed (the low bytes, then the
       high ``b - 8`` bits packed, when ``b > 8``).
   """
   codes: jax.Array
@@ -49,10 +50,41 @@ class SparsePayload(NamedTuple):
   indices: jax.Array
 
 
-def chunk_layout(size: int, chunk: int, density: float) -> tuple[int, int, int]:
-  """``(chunks, width, kept per chunk)`` of a shard of ``size`` elements."""
+class Layout(NamedTuple):
+  """How a shard is cut: ``count`` chunks of ``width`` elements (one scale each), each cut
+  into ``width / block`` blocks of ``block`` elements, of which the top ``kept`` are sent.
+
+  Attributes:
+    count: chunks, ``c``.
+    width: elements per chunk, ``w``, a multiple of ``block``.
+    block: elements per block, ``v`` (positions are relative to it).
+    kept: values sent per block, ``m``.
+  """
+  count: int
+  width: int
+  block: int
+  kept: int
+
+  @property
+  def blocks(self) -> int:
+    """Blocks per chunk, ``n = w / v``."""
+    return self.width // self.block
+
+  @property
+  def sent(self) -> int:
+    """Values sent per shard, ``c n m``."""
+    return self.count * self.blocks * self.kept
+
+
+def chunk_layout(size: int, chunk: int, density: float, block: int | None = None) -> Layout:
+  """The :class:`Layout` of a shard of ``size`` elements: ``w = min(chunk, size)``,
+  ``v = w`` when ``block`` is None (one block per chunk), else ``v = min(block, w)`` with
+  ``w`` rounded up to a multiple of ``v``; ``m = max(1, floor(density v))``."""
   width = min(chunk, max(size, 1))
-  return chunks.chunk_count(size, width), width, max(1, math.floor(density * width))
+  block = width if block is None else min(block, width)
+  width = -(-width // block) * block
+  return Layout(chunks.chunk_count(size, width), width, block,
+                max(1, math.floor(density * block)))
 
 
 def index_bits(width: int) -> int:
@@ -61,13 +93,16 @@ def index_bits(width: int) -> int:
   return max(1, (width - 1).bit_length())
 
 
-def payload_bytes(size: int, chunk: int, density: float, bits: int) -> int:
-  """Bytes of one :class:`SparsePayload` for a shard of ``size`` elements."""
-  count, width, kept = chunk_layout(size, chunk, density)
-  positions = packed_nbytes(count * kept, index_bits(width))
+def payload_bytes(size: int, chunk: int, density: float, bits: int,
+                  block: int | None = None) -> int:
+  """Bytes of one :class:`SparsePayload` for a shard of ``size`` elements:
+  ``ceil(c n m bits / 8) + 4 c + ceil(c n m b / 8)`` (:class:`Layout`, ``b = index_bits(v)``;
+  at 32 bits ``4 c n m + ceil(c n m b / 8)``)."""
+  layout = chunk_layout(size, chunk, density, block)
+  positions = packed_nbytes(layout.sent, index_bits(layout.block))
   if bits == FULL_PRECISION:
-    return 4 * count * kept + positions
-  return packed_nbytes(count * kept, bits) + 4 * count + positions
+    return 4 * layout.sent + positions
+  return packed_nbytes(layout.sent, bits) + 4 * layout.count + positions
 
 
 def pack_positions(indices: jax.Array, width: int) -> jax.Array:
@@ -88,14 +123,17 @@ def unpack_positions(packed: jax.Array, width: int, count: int) -> jax.Array:
   return packed[:count].astype(jnp.int32) | (high << 8)
 
 
-def encode(error: jax.Array, chunk: int, density: float, bits: int):
-  """``(payload, sent)``: the chunk-wise top-k of ``error`` quantized, and its decoding."""
-  count, width, kept = chunk_layout(error.size, chunk, density)
-  rows = chunks.to_chunks(error, width)
-  indices = jax.lax.top_k(jnp.abs(rows), kept)[1]
-  values = jnp.take_along_axis(rows, indices, axis=1)
+def encode(error: jax.Array, chunk: int, density: float, bits: int, block: int | None = None):
+  """``(payload, sent)``: the block-wise top-k of ``error`` quantized with one scale per
+  chunk, and its decoding."""
+  layout = chunk_layout(error.size, chunk, density, block)
+  rows = chunks.to_chunks(error, layout.width).reshape(layout.count, layout.blocks,
+                                                       layout.block)
+  indices = jax.lax.top_k(jnp.abs(rows), layout.kept)[1]
+  values = jnp.take_along_axis(rows, indices, axis=2).reshape(layout.count, -1)
+  positions = pack_positions(indices, layout.block)
   if bits == FULL_PRECISION:
-    payload = SparsePayload(values, jnp.zeros((0,), jnp.float32), pack_positions(indices, width))
+    payload = SparsePayload(values, jnp.zeros((0,), jnp.float32), positions)
   else:
     # 2**bits levels evenly spaced on [-s, s] (no zero level: kept values are the large
     # ones), rounded to nearest; the error feedback carries the rounding error.
@@ -103,29 +141,33 @@ def encode(error: jax.Array, chunk: int, density: float, bits: int):
     step = 2.0 * scales[:, None] / (2**bits - 1)
     codes = jnp.round((values + scales[:, None]) / jnp.where(step > 0, step, 1.0))
     codes = jnp.clip(codes, 0, 2**bits - 1).reshape(-1)
-    payload = SparsePayload(pack_bits(codes, bits), scales, pack_positions(indices, width))
-  return payload, decode(payload, error.size, chunk, density, bits)
+    payload = SparsePayload(pack_bits(codes, bits), scales, positions)
+  return payload, decode(payload, error.size, chunk, density, bits, block)
 
 
-def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: int):
+def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: int,
+           block: int | None = None):
   """The dense ``(size,)`` float32 vector of a payload; payloads with a leading axis of
   ``n`` devices are decoded and summed."""
-  count, width, kept = chunk_layout(size, chunk, density)
+  layout = chunk_layout(size, chunk, density, block)
+  count, sent = layout.count, layout.sent
 
   def unpacked(packed, unpack):  # per payload, whatever the leading device axes
     rows = jax.vmap(unpack)(packed.reshape(-1, packed.shape[-1]))
-    return rows.reshape(*packed.shape[:-1], count, kept)
+    return rows.reshape(*packed.shape[:-1], count, sent // count)
 
-  indices = unpacked(payload.indices, lambda p: unpack_positions(p, width, count * kept))
+  indices = unpacked(payload.indices, lambda p: unpack_positions(p, layout.block, sent))
   if bits == FULL_PRECISION:
     values = payload.codes
   else:
-    codes = unpacked(payload.codes, lambda c: unpack_bits(c, bits, count * kept))
+    codes = unpacked(payload.codes, lambda c: unpack_bits(c, bits, sent))
     codes = codes.astype(jnp.float32)
     scales = payload.scales[..., None]
     values = codes * (2.0 * scales / (2**bits - 1)) - scales
-  positions = jnp.arange(count, dtype=jnp.int32)[:, None] * width + indices
-  dense = jnp.zeros(count * width, jnp.float32).at[positions.reshape(-1)].add(values.reshape(-1))
+  starts = jnp.arange(count * layout.blocks, dtype=jnp.int32) * layout.block
+  positions = jnp.repeat(starts, layout.kept).reshape(count, -1) + indices
+  dense = jnp.zeros(count * layout.width, jnp.float32).at[positions.reshape(-1)].add(
+      values.reshape(-1))
   return dense[:size]
 
 
@@ -156,14 +198,15 @@ def fast_mean(fast_axis: str) -> optax.GradientTransformation:
 
 
 def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: str,
-                slow_axis: str) -> optax.GradientTransformation:
+                slow_axis: str, block: int | None = None) -> optax.GradientTransformation:
   """The SparseLoCo average of pseudo-gradients: a ``periodic_averaging`` ``sync``.
 
   Per leaf of ``d`` elements: the host mean of the pseudo-gradients is reduce-scattered over
   ``fast_axis`` (each device owns ``s = ceil(d / G)`` elements of it); ``e = beta e + Delta``
-  on the shard; the top ``k = max(1, floor(density w))`` of each ``w``-element chunk of ``e``
-  (``w = min(chunk, s)``) are quantized to ``bits`` with one scale per chunk and all-gathered
-  over ``slow_axis``; ``e`` loses what was sent (decoded); the decoded mean over hosts is
+  on the shard; the top ``m = max(1, floor(density v))`` of each ``v``-element block of ``e``
+  (``v = block``, or the whole ``w``-element chunk, ``w = min(chunk, s)``, when ``block`` is
+  None: :func:`chunk_layout`) are quantized to ``bits`` with one scale per chunk and
+  all-gathered over ``slow_axis``; ``e`` loses what was sent (decoded); the decoded mean over hosts is
   all-gathered back over ``fast_axis``.
   """
   axes = (slow_axis, fast_axis)
@@ -183,9 +226,9 @@ def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: s
       flat = jnp.pad(flat, (0, group * size - delta.size))
       flat = jax.lax.psum_scatter(flat, fast_axis, scatter_dimension=0, tiled=True) / group
     error = beta * error + flat
-    payload, sent = encode(error, chunk, density, bits)
+    payload, sent = encode(error, chunk, density, bits, block)
     gathered = jax.lax.all_gather(payload, slow_axis, to="invarying")
-    mean = decode(gathered, size, chunk, density, bits) / hosts
+    mean = decode(gathered, size, chunk, density, bits, block) / hosts
     whole = mean if on_shards else jax.lax.all_gather(mean, fast_axis, tiled=True,
                                                       to="invarying")
     return whole[:delta.size].reshape(delta.shape).astype(delta.dtype), error - sent
@@ -202,7 +245,8 @@ def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: s
 
 def sparseloco(inner: optax.GradientTransformation, period: int, *,
                density: float = 1 / 32, bits: int = 2, beta: float = 0.95,
-               alpha: float = 1.0, chunk: int = 4096, fast_axis: str = LOCAL_AXIS,
+               alpha: float = 1.0, chunk: int = 4096, block: int | None = None,
+               fast_axis: str = LOCAL_AXIS,
                slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """SparseLoCo: ``period`` inner steps per host, then a sparse, quantized outer step.
 
@@ -214,7 +258,12 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
   every ``w``-element chunk (``w = min(chunk, shard)``), their values on a ``2**bits``-level
   grid spanning ``[-s, s]`` with ``s`` the chunk's largest kept magnitude (round to nearest,
   codes packed), positions packed at ``b = ceil(log2 w)`` bits (12 for ``w = 4096``);
-  ``e_r -= sent`` (decoded). Then
+  ``e_r -= sent`` (decoded). With ``block = v`` the selection is structured: each chunk is
+  cut into ``w / v`` blocks of ``v`` elements and the top ``m = max(1, floor(density v))``
+  of each block are sent, their positions at ``b = ceil(log2 v)`` bits, still with one
+  scale per chunk (e.g. ``block=16, density=1/16``: the largest of every 16 elements at
+  2 + 4 bits, 6 bits per 16 elements, against 2 + 12 bits per 40 elements for the top 1/40
+  of 4,096-element chunks). Then
   ``theta_sync -= alpha mean_r(sent)`` and every device restarts from ``theta_sync``. The
   decayed error buffer replaces DiLoCo's outer momentum (the outer optimizer is plain SGD).
   ``bits = 32`` sends float32 values (no quantization); with ``density = 1`` and
@@ -225,7 +274,9 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
   elements of every ``d``-element leaf (its shard of the host's buffer ``e``).
 
   Bytes per device per outer step, ``H`` hosts, per leaf, ``c = ceil(s / w)`` chunks of
-  ``k`` kept values:
+  ``k`` kept values and ``b``-bit positions (without ``block``: ``v = w``, ``n = 1``; with
+  it ``k = n m``, ``n = w / v`` blocks per chunk, ``b = ceil(log2 v)``, and ``w`` rounded up
+  to a multiple of ``v`` when the shard is smaller than ``chunk``):
 
   * ``slow_axis``: an all-gather of the payloads, ``(H - 1) (ceil(c k bits / 8) + 4 c +
     ceil(c k b / 8))`` (at 32 bits ``(H - 1) (4 c k + ceil(c k b / 8))``);
@@ -242,7 +293,9 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
     bits: bits per kept value, in ``[1, 8]``, or 32 for float32 values.
     beta: error-feedback decay, in ``[0, 1)``.
     alpha: outer learning rate, ``> 0``.
-    chunk: chunk width, in ``[1, 65536]`` (positions of at most 16 bits).
+    chunk: chunk width, in ``[1, 65536]`` (positions of at most 16 bits): one scale each.
+    block: block width ``v`` for structured sparsity, dividing ``chunk``, or None (the
+      default: one block per chunk, the paper's chunk-wise top-k).
     fast_axis: the intra-host mesh axis (full precision).
     slow_axis: the inter-host mesh axis (sparse, quantized).
 
@@ -263,7 +316,12 @@ def sparseloco(inner: optax.GradientTransformation, period: int, *,
   beta = check_unit_interval("beta", beta)
   alpha = check_float("alpha", alpha)
   chunk = check_int_range("chunk", chunk, 1, MAX_UINT16_CHUNK)
+  if block is not None:
+    block = check_int_range("block", block, 1, chunk)
+    if chunk % block:
+      raise ValueError(f"block must divide chunk ({chunk}), got {block}.")
   if fast_axis == slow_axis:
     raise ValueError(f"fast_axis and slow_axis must differ, both are {fast_axis!r}.")
   return periodic_averaging(optax.chain(fast_mean(fast_axis), inner), optax.sgd(alpha), period,
-                            sync=sparse_sync(density, bits, beta, chunk, fast_axis, slow_axis))
+                            sync=sparse_sync(density, bits, beta, chunk, fast_axis, slow_axis,
+                                             block))
