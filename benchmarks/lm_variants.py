@@ -4,7 +4,8 @@ behind docs/algorithms.md ("On the GPT quality task") and docs/quality.md (secti
 A method name ``BASE@key=value@key=value`` is the registry method ``BASE`` built with those
 keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.015625@beta=0.9``
 (``sparseloco-hH``: ``H`` is the period; keys: ``density``, ``bits``, ``beta``, ``alpha``,
-``chunk``, ``block``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``, ``weight_decay``;
+``chunk``, ``block``, ``positions``; for ``demo``: ``beta``, ``chunk``, ``topk``, ``sign``,
+``weight_decay``;
 ``compress-updates``, :func:`jaxcomm.optim.compress_updates` of AdamW: ``topk`` (fraction),
 ``sign``, ``feedback``, ``debias`` (``True``: :func:`jaxcomm.optim.host_adamw` with
 ``host_variance=True``); ``topk-ef``, top-k in front of AdamW
@@ -34,7 +35,7 @@ _COMPRESS_UPDATES = {"topk": float, "sign": lambda v: v == "True", "rsign": floa
                      "feedback": str, "debias": lambda v: v == "True"}
 _TOPK_EF = {"feedback": str}
 _SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int,
-               "block": int}
+               "block": int, "positions": str}
 
 
 def _kwargs(name: str, types: dict) -> dict:
@@ -63,7 +64,7 @@ def variant(name: str) -> methods.Method:
         name, f"SparseLoCo, period {period}, {kw}",
         lambda s: jaxcomm.sparseloco(optax.adamw(s.lr), period, **kw),
         methods._sparseloco_project(period, kw["density"], kw["bits"], kw["chunk"],
-                                    kw.get("block")),
+                                    kw.get("block"), kw.get("positions", "fixed")),
         make_step=jaxcomm.optim.local_training_step, device_local=True, comm_every=period)
   if base == "compress-updates":
     kw = _kwargs(name, _COMPRESS_UPDATES)

@@ -386,10 +386,11 @@ def _demo_project(setting, shapes, hosts, local, *, chunk=64, topk=32):
   return traffic
 
 
-def _sparseloco_project(period, density, bits, chunk, block=None):
+def _sparseloco_project(period, density, bits, chunk, block=None, positions="fixed"):
   """SparseLoCo: the inner steps' fp32 gradient mean inside the host every step; per outer
   step a reduce-scatter and an all-gather inside the host and the all-gather of the sparse
-  2-bit payloads across hosts, divided by ``period`` (``block``: :func:`jaxcomm.sparseloco`'s)."""
+  2-bit payloads across hosts, divided by ``period`` (``block``, ``positions``:
+  :func:`jaxcomm.sparseloco`'s)."""
   from jaxcomm._src.optim.sparseloco import payload_bytes
 
   def project(setting, shapes, hosts, local):
@@ -402,7 +403,8 @@ def _sparseloco_project(period, density, bits, chunk, block=None):
           ring_cost("reduce-scatter", 4 * shard, local)
           + ring_cost("all-gather", 4 * local * shard, local),
           ring_cost("all-gather",
-                    hosts * payload_bytes(shard, chunk, density, bits, block), hosts))
+                    hosts * payload_bytes(shard, chunk, density, bits, block, positions),
+                    hosts))
     return inner + outer.scaled(1 / period)
 
   return project

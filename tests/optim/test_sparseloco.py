@@ -15,9 +15,11 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm._src.optim.diloco import diloco
 from jaxcomm._src.optim.local_training import to_device_local
-from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, encode, fast_mean,
-                                           index_bits, pack_positions, payload_bytes,
-                                           sparse_sync, sparseloco, unpack_positions)
+from jaxcomm._src.optim.sparseloco import (chunk_layout, decode, elias_fano_bits, encode,
+                                           fast_mean, index_bits, pack_positions,
+                                           pack_sorted_positions, payload_bytes, sparse_sync,
+                                           sparseloco, unpack_positions,
+                                           unpack_sorted_positions)
 from lowcomm_helpers import AXES, eval_loss, train
 from test_branches import branch_selectors, traced_step
 from update_helpers import apply_fn, update_fn
@@ -42,17 +44,25 @@ def chosen_per_block(error, layout):
       top + layout.block * np.arange(layout.blocks)[:, None]).reshape(layout.count, -1)
 
 
-@pytest.mark.parametrize("bits, block", [(1, None), (2, None), (4, None), (32, None), (2, 8)])
-def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block):
+@pytest.mark.parametrize("bits, block, positions", [
+    (1, None, "fixed"), (2, None, "fixed"), (4, None, "fixed"), (32, None, "fixed"),
+    (2, 8, "fixed"), (2, None, "elias-fano")])
+def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block, positions):
   error = fast_random.normal(jax.random.PRNGKey(bits), (300,))
   chunk, density = 64, 0.1 if block is None else 0.25
-  payload, sent = encode(error, chunk, density, bits, block)
-  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits, block)
+  payload, sent = encode(error, chunk, density, bits, block, positions)
+  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(300, chunk, density, bits, block,
+                                                               positions)
   layout = chunk_layout(300, chunk, density, block)
-  b = 6 if block is None else index_bits(block)  # 6-bit positions in 64-element chunks
   assert payload.indices.dtype == jnp.uint8
-  assert payload.indices.size == -(-layout.sent * b // 8)
-  np.testing.assert_array_equal(decode(payload, 300, chunk, density, bits, block), sent)
+  if positions == "fixed":  # 6-bit positions in 64-element chunks
+    b = 6 if block is None else index_bits(block)
+    assert payload.indices.size == -(-layout.sent * b // 8)
+  else:  # 6 of 64: 3 low bits each, 7 + 6 unary bits per chunk
+    assert elias_fano_bits(64, 6) == (3, 13)
+    assert payload.indices.size == -(-layout.sent * 3 // 8) + -(-layout.count * 13 // 8)
+  np.testing.assert_array_equal(
+      decode(payload, 300, chunk, density, bits, block, positions), sent)
   rows, chosen = chosen_per_block(error, layout)
   decoded = np.pad(np.asarray(sent), (0, rows.size - 300)).reshape(rows.shape)
   for start, row, out, kept in zip(range(0, rows.size, layout.width), rows, decoded, chosen):
@@ -69,19 +79,38 @@ def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block):
 
 @settings(max_examples=12, deadline=None)
 @given(size=st.integers(1, 200), block=st.sampled_from([None, 1, 2, 4, 16]),
-       chunks_per=st.integers(1, 4), kept=st.integers(1, 4), seed=st.integers(0, 2**16))
+       chunks_per=st.integers(1, 4), kept=st.integers(1, 4), seed=st.integers(0, 2**16),
+       positions=st.sampled_from(["fixed", "elias-fano"]))
 def test_float32_payload_round_trips_exactly_the_top_of_every_block(size, block, chunks_per,
-                                                                     kept, seed):
+                                                                     kept, seed, positions):
   chunk = (block or 8) * chunks_per
   density = min(kept, block or chunk) / (block or chunk)
   error = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
   layout = chunk_layout(size, chunk, density, block)
-  payload, sent = jax.jit(encode, static_argnums=(1, 2, 3, 4))(error, chunk, density, 32, block)
-  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(size, chunk, density, 32, block)
+  payload, sent = jax.jit(encode, static_argnums=(1, 2, 3, 4, 5))(error, chunk, density, 32,
+                                                                  block, positions)
+  assert sum(leaf.nbytes for leaf in payload) == payload_bytes(size, chunk, density, 32, block,
+                                                               positions)
   rows, chosen = chosen_per_block(error, layout)
   expected = np.zeros_like(rows)
   np.put_along_axis(expected, chosen, np.take_along_axis(rows, chosen, axis=1), axis=1)
   np.testing.assert_array_equal(np.asarray(sent), expected.reshape(-1)[:size])
+
+
+@settings(max_examples=15, deadline=None)
+@given(block=st.integers(1, 5000), groups=st.integers(1, 3), data=st.data())
+def test_sorted_positions_round_trip_elias_fano(block, groups, data):
+  kept = data.draw(st.integers(1, min(block, 40)))
+  rng = np.random.default_rng(data.draw(st.integers(0, 2**16)))
+  positions = np.sort(np.stack([rng.choice(block, kept, replace=False)
+                                for _ in range(groups)]), axis=1)
+  low, unary = elias_fano_bits(block, kept)
+  assert low == int(np.floor(np.log2(block / kept))) and unary == ((block - 1) >> low) + kept
+  packed = jax.jit(pack_sorted_positions, static_argnums=1)(jnp.asarray(positions), block)
+  assert packed.dtype == jnp.uint8
+  assert packed.size == -(-groups * kept * low // 8) + -(-groups * unary // 8)
+  np.testing.assert_array_equal(
+      unpack_sorted_positions(packed, block, groups, kept), positions.reshape(-1))
 
 
 @pytest.mark.parametrize("width", [1, 2, 7, 256, 257, 4096, 5000, 65536])
@@ -115,11 +144,13 @@ def test_error_buffer_keeps_exactly_what_was_not_sent():
     assert np.all(np.count_nonzero(host_mean - error > 1e-7, axis=1) < 0.5 * p.size)
 
 
-@pytest.mark.parametrize("block", [None, 4])
-def test_bytes_per_step_match_the_formula(block):
+@pytest.mark.parametrize("block, positions", [(None, "fixed"), (4, "fixed"),
+                                               (None, "elias-fano")])
+def test_bytes_per_step_match_the_formula(block, positions):
   mesh, period, chunk, density, bits = jaxcomm.make_mesh(hosts=HOSTS, local=LOCAL), 4, 16, 0.1, 2
   params = {"w": jnp.zeros((16, 20)), "b": jnp.zeros((20,))}
-  tx = sparseloco(INNER(), period, density=density, bits=bits, chunk=chunk, block=block)
+  tx = sparseloco(INNER(), period, density=density, bits=bits, chunk=chunk, block=block,
+                  positions=positions)
   state, step = apply_fn(tx, to_device_local(params, mesh), mesh, P(AXES))
   grads = jax.tree.map(lambda p: jnp.zeros((HOSTS * LOCAL, *p.shape)), params)
   report = jaxcomm.accounting.measure(step, to_device_local(params, mesh), state, grads,
@@ -127,7 +158,7 @@ def test_bytes_per_step_match_the_formula(block):
   (switch,) = report.conditionals()
   measured = report.link_bytes(branch_weights={switch: [1 - 1 / period, 1 / period]})
   shards = [-(-p.size // LOCAL) for p in params.values()]
-  slow = sum((HOSTS - 1) * payload_bytes(s, chunk, density, bits, block)
+  slow = sum((HOSTS - 1) * payload_bytes(s, chunk, density, bits, block, positions)
              for s in shards) / period
   fast = sum(2 * (LOCAL - 1) / LOCAL * 4 * p.size for p in params.values()) + sum(
       2 * (LOCAL - 1) * 4 * s for s in shards) / period
@@ -162,6 +193,7 @@ def test_trains_the_mlp_close_to_its_dense_reference():
     ({"chunk": 64, "block": 128}, r"block must be in \[1, 64\], got 128"),
     ({"block": 3}, r"block must divide chunk \(4096\), got 3"),
     ({"block": 2.0}, r"block must be an int, got 2.0"),
+    ({"positions": "gamma"}, r"positions must be one of \('fixed', 'elias-fano'\), got 'gamma'"),
     ({"fast_axis": "host"}, "fast_axis and slow_axis must differ"),
 ])
 def test_bad_arguments_raise_at_construction_naming_parameter_and_value(kwargs, match):
