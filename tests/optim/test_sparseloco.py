@@ -46,7 +46,7 @@ def chosen_per_block(error, layout):
 
 @pytest.mark.parametrize("bits, block, positions", [
     (1, None, "fixed"), (2, None, "fixed"), (4, None, "fixed"), (32, None, "fixed"),
-    (2, 8, "fixed"), (2, None, "elias-fano")])
+    (2, 8, "elias-fano")])
 def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block, positions):
   error = fast_random.normal(jax.random.PRNGKey(bits), (300,))
   chunk, density = 64, 0.1 if block is None else 0.25
@@ -58,9 +58,9 @@ def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block, positions):
   if positions == "fixed":  # 6-bit positions in 64-element chunks
     b = 6 if block is None else index_bits(block)
     assert payload.indices.size == -(-layout.sent * b // 8)
-  else:  # 6 of 64: 3 low bits each, 7 + 6 unary bits per chunk
-    assert elias_fano_bits(64, 6) == (3, 13)
-    assert payload.indices.size == -(-layout.sent * 3 // 8) + -(-layout.count * 13 // 8)
+  else:  # 2 of each 8: 2 low bits each, 1 + 2 unary bits per block
+    assert elias_fano_bits(8, 2) == (2, 3)
+    assert payload.indices.size == -(-layout.sent * 2 // 8) + -(-(layout.sent // 2) * 3 // 8)
   np.testing.assert_array_equal(
       decode(payload, 300, chunk, density, bits, block, positions), sent)
   rows, chosen = chosen_per_block(error, layout)
@@ -77,7 +77,7 @@ def test_payload_is_the_blockwise_topk_on_a_packed_grid(bits, block, positions):
       np.testing.assert_allclose(out[kept], nearest, atol=1e-5)
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=8, deadline=None)
 @given(size=st.integers(1, 200), block=st.sampled_from([None, 1, 2, 4, 16]),
        chunks_per=st.integers(1, 4), kept=st.integers(1, 4), seed=st.integers(0, 2**16),
        positions=st.sampled_from(["fixed", "elias-fano"]))
@@ -144,8 +144,7 @@ def test_error_buffer_keeps_exactly_what_was_not_sent():
     assert np.all(np.count_nonzero(host_mean - error > 1e-7, axis=1) < 0.5 * p.size)
 
 
-@pytest.mark.parametrize("block, positions", [(None, "fixed"), (4, "fixed"),
-                                               (None, "elias-fano")])
+@pytest.mark.parametrize("block, positions", [(None, "fixed"), (4, "elias-fano")])
 def test_bytes_per_step_match_the_formula(block, positions):
   mesh, period, chunk, density, bits = jaxcomm.make_mesh(hosts=HOSTS, local=LOCAL), 4, 16, 0.1, 2
   params = {"w": jnp.zeros((16, 20)), "b": jnp.zeros((20,))}

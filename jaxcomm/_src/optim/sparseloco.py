@@ -170,11 +170,11 @@ def unpack_sorted_positions(packed: jax.Array, block: int, groups: int, kept: in
   bitmap = unpack_bits(packed[:split], 1, groups * unary).reshape(groups, unary)
   # the i-th set bit of a row is at (p_i >> L) + i: a stable sort brings the set bits first
   slots = jnp.argsort(1 - bitmap.astype(jnp.int32), axis=1, stable=True)[:, :kept]
-  high = (slots - jnp.arange(kept, dtype=jnp.int32)) << low_bits
+  positions = (slots - jnp.arange(kept, dtype=jnp.int32)) << low_bits
   if low_bits:
-    high = high | unpack_positions(packed[split:], 2**low_bits, groups * kept).reshape(
-        groups, kept)
-  return high.reshape(-1)
+    positions = positions | unpack_positions(packed[split:], 2**low_bits,
+                                             groups * kept).reshape(groups, kept)
+  return positions.reshape(-1)
 
 
 def encode(error: jax.Array, chunk: int, density: float, bits: int, block: int | None = None,
@@ -268,8 +268,8 @@ def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: s
   on the shard; the top ``m = max(1, floor(density v))`` of each ``v``-element block of ``e``
   (``v = block``, or the whole ``w``-element chunk, ``w = min(chunk, s)``, when ``block`` is
   None: :func:`chunk_layout`) are quantized to ``bits`` with one scale per chunk and
-  all-gathered over ``slow_axis``; ``e`` loses what was sent (decoded); the decoded mean over hosts is
-  all-gathered back over ``fast_axis``.
+  all-gathered over ``slow_axis`` (positions coded as ``positions`` says); ``e`` loses what
+  was sent (decoded); the decoded mean over hosts is all-gathered back over ``fast_axis``.
   """
   axes = (slow_axis, fast_axis)
 
