@@ -57,7 +57,8 @@ class Compressor(NamedTuple):
     decode_sum: ``None``, or ``decode_sum(payloads, shape) -> jax.Array``: the float32 sum
       of the decodings of payloads stacked on a leading axis (as a gather returns them), for
       a compressor that computes it more cheaply than one dense decode per payload (top-k:
-      one scatter-add of every payload's values into one buffer). See :func:`decode_and_sum`.
+      one scatter-add of every payload's values into one buffer). The gather and two-phase
+      strategies sum the gathered payloads with it where it is given.
   """
   init: InitFn
   encode: EncodeFn
