@@ -9,7 +9,6 @@ from hypothesis import given, settings, strategies as st
 
 import jaxcomm
 from jaxcomm._src.compress.base import decode_and_sum, sum_stacked
-from jaxcomm._src.compress.packing import unpack_signs
 from jaxcomm.compress import pack_bits, packed_nbytes, unpack_bits
 
 CORE = {
@@ -187,14 +186,6 @@ def test_bit_packing_is_exact(bits, count):
   chex.assert_shape(packed, (packed_nbytes(count, bits),))
   assert packed.dtype == jnp.uint8
   np.testing.assert_array_equal(unpack_bits(packed, bits, count), codes)
-
-
-@pytest.mark.parametrize("count", [1, 8, 61, 2048])
-def test_unpack_signs_is_the_bits_as_plus_minus_one(count):
-  packed = jnp.asarray(np.random.default_rng(count).integers(0, 256, -(-count // 8)), jnp.uint8)
-  signs = jax.jit(unpack_signs, static_argnums=1)(packed, count)
-  chex.assert_type(signs, jnp.float32)
-  np.testing.assert_array_equal(signs, unpack_bits(packed, 1, count).astype(np.float32) * 2 - 1)
 
 
 def test_sign_packs_eight_signs_per_byte_little_endian():

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxcomm._src.validation import check_int_range
 
@@ -80,26 +79,3 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
       word = word | (groups[:, byte + 1] << 8)
     codes.append((word >> offset) & ((1 << bits) - 1))
   return jnp.stack(codes, axis=1).astype(jnp.uint8).reshape(-1)[:count]
-
-
-# Row b: the eight bits of byte b, lowest first, as float32 +1 (bit set) or -1 (bit clear).
-_SIGNS_OF_BYTE = np.where((np.arange(256)[:, None] >> np.arange(8)) & 1, 1.0, -1.0).astype(
-    np.float32)
-
-
-def unpack_signs(packed: jax.Array, count: int) -> jax.Array:
-  """``unpack_bits(packed, 1, count) * 2.0 - 1.0``: the first ``count`` bits as float32
-  ``+1`` (set) or ``-1`` (clear), the same values.
-
-  Each byte looks up its eight signs in a 256-row table (one 32-byte row per byte), which
-  XLA's CPU backend runs about twice as fast as shifting and masking every element
-  (sign's decode and sum of two 32K-element payloads: ~20 vs ~110 us of work).
-
-  Args:
-    packed: uint8 of shape ``(ceil(count / 8),)``, from ``pack_bits(bits, 1)``.
-    count: number of signs, ``<= 8 * packed.shape[0]``.
-
-  Returns:
-    float32 of shape ``(count,)``.
-  """
-  return jnp.asarray(_SIGNS_OF_BYTE)[packed].reshape(-1)[:count]

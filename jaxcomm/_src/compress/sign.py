@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init, sum_stacked
 from jaxcomm._src.validation import check_int_range
-from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits, unpack_signs
+from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits
 
 
 class SignPayload(NamedTuple):
@@ -59,7 +59,7 @@ def sign(chunk: int | None = None) -> Compressor:
 
   def decode(payload: SignPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    signs = unpack_signs(payload.bits, size)
+    signs = unpack_bits(payload.bits, 1, size).astype(jnp.float32) * 2.0 - 1.0
     return (signs * chunks.per_element(payload.scales, size, chunk)).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
@@ -108,7 +108,8 @@ def sign_vote() -> Compressor:
     return VotePayload(pack_bits(x.reshape(-1) >= 0, 1)), state
 
   def decode(payload: VotePayload, shape) -> jax.Array:
-    return unpack_signs(payload.bits, num_elements(shape)).reshape(shape)
+    votes = unpack_bits(payload.bits, 1, num_elements(shape)).astype(jnp.float32)
+    return (votes * 2.0 - 1.0).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
