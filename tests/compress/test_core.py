@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 import jaxcomm
-from jaxcomm._src.compress.base import sum_stacked
+from jaxcomm._src.compress.base import decode_and_sum, sum_stacked
 from jaxcomm.compress import pack_bits, packed_nbytes, unpack_bits
 
 CORE = {
@@ -132,6 +132,33 @@ def test_bounded_error_feedback_scales_the_classic_residual_down_to_its_bound(se
   scale = min(1.0, limit / norm)
   chex.assert_trees_all_close(capped.residual, scale * plain.residual, rtol=1e-5, atol=1e-30)
   assert float(jnp.linalg.norm(capped.residual)) <= limit * (1 + 1e-5)
+
+
+@pytest.mark.parametrize("devices,size,kept,chunk", [(1, 37, 5, None), (3, 300, 30, None),
+                                                     (2, 300, 3, 7), (4, 130, 20, 64)])
+def test_topk_decode_sum_equals_the_sum_of_dense_decodes(devices, size, kept, chunk):
+  """Payloads of distinct positions and integer values: every order of addition is exact, so
+  the scatter-add must equal the sum of the dense decodings for any number of devices; error
+  feedback keeps the fast path."""
+  rng = np.random.default_rng(size)
+  compressor = jaxcomm.topk(0.5, chunk=chunk)
+  if chunk is None:
+    kept = min(kept, size)
+    indices = np.stack([rng.permutation(size)[:kept] for _ in range(devices)]).astype(np.int32)
+    payloads = jaxcomm.compress.TopKPayload(
+        jnp.asarray(rng.integers(-1000, 1000, (devices, kept)), jnp.float32), indices)
+  else:  # the last chunk is padded: positions past `size` must be dropped
+    width = min(chunk, size)
+    count, kept = -(-size // width), min(kept, width)
+    indices = np.stack([[rng.permutation(width)[:kept] for _ in range(count)]
+                        for _ in range(devices)]).astype(np.uint16)
+    payloads = jaxcomm.compress.ChunkedTopKPayload(
+        jnp.asarray(rng.integers(-1000, 1000, indices.shape), jnp.float32), indices)
+  dense = jax.vmap(lambda payload: compressor.decode(payload, (size,)))(payloads)
+  assert jaxcomm.error_feedback(compressor).decode_sum is compressor.decode_sum is not None
+  total = decode_and_sum(compressor, payloads, (size,))
+  chex.assert_type(total, jnp.float32)
+  np.testing.assert_array_equal(total, np.asarray(dense).sum(axis=0))
 
 
 @settings(max_examples=20, deadline=None)

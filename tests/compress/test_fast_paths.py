@@ -15,7 +15,8 @@ from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, thr
                               unpack_bits)
 from jaxcomm._src.compress.hashing import hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.randomk import random_indices
-from jaxcomm._src.compress.select import MIN_FAST_SIZE, compact, largest_k
+from jaxcomm._src.compress.select import (MIN_FAST_SIZE, TOP_K_MAX, compact, kth_largest_bits,
+                                          largest_k)
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)
@@ -64,6 +65,22 @@ def test_compact_matches_nonzero(size):
   expected = np.nonzero(mask)[0]
   np.testing.assert_array_equal(positions[:len(expected)], expected)
   np.testing.assert_array_equal(positions[len(expected):], size)
+
+
+@pytest.mark.parametrize("size,k", [(1000, 1), (1000, 327), (3000, TOP_K_MAX),
+                                    (3000, TOP_K_MAX + 1)])
+def test_kth_largest_bits_of_a_row_with_empty_slots_and_ties(size, k):
+  # One row: lax.top_k up to TOP_K_MAX, the bitwise search above it; a batch of two rows:
+  # the search. -1 marks an empty slot; rounding makes exact ties at the k-th value.
+  rng = np.random.default_rng(size + k)
+  magnitude = np.round(np.abs(rng.standard_normal((2, size))) * 16) / 16
+  bits = np.where(rng.random((2, size)) < 0.2, -1,
+                  magnitude.astype(np.float32).view(np.int32))
+  expected = [np.sort(row[row >= 0])[-k] for row in bits]
+  kth = jax.jit(kth_largest_bits, static_argnums=1)
+  assert int(kth(jnp.asarray(bits[0]), k)) == expected[0]
+  np.testing.assert_array_equal(kth(jnp.asarray(bits[:1]), k), expected[:1])
+  np.testing.assert_array_equal(kth(jnp.asarray(bits), k), expected)
 
 
 def _exact_top(magnitude, k):

@@ -35,8 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcomm._src.accounting import NO_COST, Cost, ring_cost
-from jaxcomm._src.compress.base import (AxisContext, Compressor, Shape, combining, psum_payload,
-                                        replicated_fields, sum_stacked)
+from jaxcomm._src.compress.base import (AxisContext, Compressor, Shape, combining,
+                                        decode_and_sum, psum_payload, replicated_fields)
 from jaxcomm._src.compress.error_feedback import error_feedback
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
@@ -519,10 +519,8 @@ def gather_sums(items, axis: str, implementation: str | None = None) -> list:
   with combining(over_axis(axis)):
     encoded = [compressor.encode(shard, state, key) for shard, compressor, state, key in items]
     gathered = gather_payloads(tuple(payload for payload, _ in encoded), axis, implementation)
-    sums = []
-    for (shard, compressor, _, _), payloads in zip(items, gathered):
-      decode = lambda p, compressor=compressor, shape=shard.shape: compressor.decode(p, shape)
-      sums.append(sum_stacked(jax.vmap(decode)(payloads)))
+    sums = [decode_and_sum(compressor, payloads, shard.shape)
+            for (shard, compressor, _, _), payloads in zip(items, gathered)]
   return [(total, state) for total, (_, state) in zip(sums, encoded)]
 
 
@@ -564,7 +562,7 @@ def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   payloads = jax.tree.map(lambda *leaves: jnp.stack(leaves),
                           *[encode_chunk(chunks[i], keys[i]) for i in range(n)])
   received = all_to_all_payload(payloads, axis)
-  owned = sum_stacked(jax.vmap(decode_chunk)(received))
+  owned = decode_and_sum(compressor, received, (chunk,))
   if state is not None:
     owned = owned + state.server_residual
   server_payload = encode_chunk(owned, keys[n])

@@ -51,6 +51,29 @@ class ChunkedTopKPayload(NamedTuple):
 MAX_UINT16_CHUNK = 1 << 16
 
 
+def scatter_sum(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
+  """The sum of several sparse payloads' dense decodings: every value added at its index
+  into one float32 zero buffer of ``size`` elements.
+
+  Payloads gathered from ``n`` devices would otherwise be decoded into ``n`` zero buffers
+  of ``size`` and summed (:func:`~jaxcomm.compress.sum_stacked`): ``n`` fresh buffers and a
+  pass over them, where this writes one. Bit-identical to that sum for two payloads (a
+  position in both gets ``v1 + v2`` either way, one in one ``0 + v``); for a single payload
+  a ``-0.0`` value gives ``+0.0``; with three or more, a position kept by three or more
+  devices may be added in another order (a rounding difference).
+
+  Args:
+    indices: int32 flat positions, any shape (e.g. ``(n, k)``).
+    values: the values at those positions, ``indices``' shape, any float dtype.
+    size: elements of the dense result.
+
+  Returns:
+    float32 of shape ``(size,)``.
+  """
+  return jnp.zeros(size, jnp.float32).at[indices.reshape(-1)].add(
+      values.astype(jnp.float32).reshape(-1))
+
+
 def select_largest(values: jax.Array, count: int, approximate: bool) -> jax.Array:
   """Indices of the ``count`` largest ``|values|`` on the last axis, in increasing order.
 
@@ -134,6 +157,9 @@ def topk(density: float | None = None, *, k: int | None = None,
     dense = jnp.zeros(num_elements(shape), jnp.float32)
     return dense.at[payload.indices].set(payload.values.astype(jnp.float32)).reshape(shape)
 
+  def decode_sum(payloads: TopKPayload, shape) -> jax.Array:
+    return scatter_sum(payloads.indices, payloads.values, num_elements(shape)).reshape(shape)
+
   def wire_bytes(shape, dtype) -> int:
     del dtype
     return topk_count(tuple(shape), density, k) * (value_dtype.itemsize + 4)
@@ -141,7 +167,8 @@ def topk(density: float | None = None, *, k: int | None = None,
   amount = f"{density:g}" if density is not None else f"k={k}"
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
-                    linear=False, unbiased=False, name=f"topk({amount}{suffix})")
+                    linear=False, unbiased=False, name=f"topk({amount}{suffix})",
+                    decode_sum=decode_sum)
 
 
 def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
@@ -160,15 +187,23 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
     values = jnp.take_along_axis(rows, indices, axis=1)
     return ChunkedTopKPayload(values.astype(value_dtype), indices.astype(jnp.uint16)), state
 
+  def flat_indices(payload: ChunkedTopKPayload, count: int, width: int) -> jax.Array:
+    # Padding positions of the last chunk may be selected (as zeros); they fall past `size`.
+    return jnp.arange(count, dtype=jnp.int32)[:, None] * width + payload.indices.astype(jnp.int32)
+
   def decode(payload: ChunkedTopKPayload, shape) -> jax.Array:
     size = num_elements(shape)
     count, width, _ = layout(size)
-    flat_index = (jnp.arange(count, dtype=jnp.int32)[:, None] * width
-                  + payload.indices.astype(jnp.int32))
-    # Padding positions of the last chunk may be selected (as zeros); they fall past `size`.
     dense = jnp.zeros(count * width, jnp.float32)
-    dense = dense.at[flat_index.reshape(-1)].set(payload.values.astype(jnp.float32).reshape(-1))
+    dense = dense.at[flat_indices(payload, count, width).reshape(-1)].set(
+        payload.values.astype(jnp.float32).reshape(-1))
     return dense[:size].reshape(shape)
+
+  def decode_sum(payloads: ChunkedTopKPayload, shape) -> jax.Array:
+    size = num_elements(shape)
+    count, width, _ = layout(size)
+    return scatter_sum(flat_indices(payloads, count, width), payloads.values,
+                       count * width)[:size].reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
@@ -178,4 +213,4 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False,
-                    name=f"topk({density:g}, chunk={chunk}{suffix})")
+                    name=f"topk({density:g}, chunk={chunk}{suffix})", decode_sum=decode_sum)
