@@ -17,7 +17,13 @@ MESH = (8, 1)
 # Top-1% held it only with bounded residuals (the default since section 9): with classic
 # ones its seed 1 was 95.54 against fp32's 98.33 on this CPU (stale residual bursts into the
 # momentum); with the bound, 98.16 +- 0.52 against 98.22 +- 0.45 over seeds 0-4.
-MARGIN = 1.0
+MARGIN = {"sign-ef": 1.0, "topk-ef": 1.5}
+# One seed of top-1% moves by more than a point under a change of float rounding alone (its
+# selection is discontinuous): seed 1 was 97.21 after top-k's gathered payloads were summed by
+# one scatter-add instead of a tree of dense adds, 96.94 with XLA's backend at -O0, about 98
+# before, while the mean over seeds 0-4 stayed 98.16 (+- 0.72) against fp32's 98.22 (-0.06
+# points; docs/quality.md, section 5). 1.5 points is 2 of its seed-to-seed deviations and
+# still fails the classic residuals (-2.79).
 
 
 @pytest.fixture(scope="module")
@@ -33,5 +39,5 @@ def test_compressed_sgd_momentum_matches_fp32(fp32, method):
   # (top-1%, classic residuals, seeds 0-4); bounded top-1% stays at the first batch's loss.
   assert result.losses.max() <= result.losses[0] * 2, "the training loss blew up"
   assert result.losses[-10:].mean() < 0.1 * result.losses[0]
-  assert 100 * result.accuracy >= 100 * fp32.accuracy - MARGIN, (result.accuracy,
+  assert 100 * result.accuracy >= 100 * fp32.accuracy - MARGIN[method], (result.accuracy,
                                                                  fp32.accuracy)
