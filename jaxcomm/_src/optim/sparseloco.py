@@ -11,7 +11,7 @@ import optax
 
 from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits
-from jaxcomm._src.compress.topk import MAX_UINT16_CHUNK
+from jaxcomm._src.compress.topk import MAX_UINT16_CHUNK, scatter_sum
 from jaxcomm._src.mesh_axes import manual_axes, require_axes, vary
 from jaxcomm._src.optim import hsdp
 from jaxcomm._src.optim.periodic import periodic_averaging
@@ -184,10 +184,13 @@ def encode(error: jax.Array, chunk: int, density: float, bits: int, block: int |
   layout = chunk_layout(error.size, chunk, density, block)
   rows = chunks.to_chunks(error, layout.width).reshape(layout.count, layout.blocks,
                                                        layout.block)
-  indices = jnp.sort(jax.lax.top_k(jnp.abs(rows), layout.kept)[1], axis=2)
+  indices = jax.lax.top_k(jnp.abs(rows), layout.kept)[1]
+  if positions == "fixed":
+    packed = pack_positions(indices, layout.block)
+  else:  # Elias-Fano codes each block's positions in increasing order
+    indices = jnp.sort(indices, axis=2)
+    packed = pack_sorted_positions(indices.reshape(-1, layout.kept), layout.block)
   values = jnp.take_along_axis(rows, indices, axis=2).reshape(layout.count, -1)
-  packed = (pack_positions(indices, layout.block) if positions == "fixed" else
-            pack_sorted_positions(indices.reshape(-1, layout.kept), layout.block))
   if bits == FULL_PRECISION:
     payload = SparsePayload(values, jnp.zeros((0,), jnp.float32), packed)
   else:
@@ -196,9 +199,23 @@ def encode(error: jax.Array, chunk: int, density: float, bits: int, block: int |
     scales = jnp.max(jnp.abs(values), axis=1)
     step = 2.0 * scales[:, None] / (2**bits - 1)
     codes = jnp.round((values + scales[:, None]) / jnp.where(step > 0, step, 1.0))
-    codes = jnp.clip(codes, 0, 2**bits - 1).reshape(-1)
-    payload = SparsePayload(pack_bits(codes, bits), scales, packed)
-  return payload, decode(payload, error.size, chunk, density, bits, block, positions)
+    codes = jnp.clip(codes, 0, 2**bits - 1)
+    payload = SparsePayload(pack_bits(codes.reshape(-1), bits), scales, packed)
+    values = _dequantized(codes, scales, bits)
+  return payload, _scattered(indices.reshape(layout.count, -1), values, layout, error.size)
+
+
+def _dequantized(codes: jax.Array, scales: jax.Array, bits: int) -> jax.Array:
+  """float32 values of grid ``codes`` ``(..., c, k)`` with their chunks' ``scales`` ``(..., c)``."""
+  scales = scales[..., None]
+  return codes.astype(jnp.float32) * (2.0 * scales / (2**bits - 1)) - scales
+
+
+def _scattered(indices: jax.Array, values: jax.Array, layout: Layout, size: int) -> jax.Array:
+  """The dense ``(size,)`` sum of ``values`` at their block ``indices`` ``(..., c, n m)``."""
+  starts = jnp.arange(layout.count * layout.blocks, dtype=jnp.int32) * layout.block
+  where = jnp.repeat(starts, layout.kept).reshape(layout.count, -1) + indices
+  return scatter_sum(where, values, layout.count * layout.width)[:size]
 
 
 def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: int,
@@ -222,14 +239,8 @@ def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: 
     values = payload.codes
   else:
     codes = unpacked(payload.codes, lambda c: unpack_bits(c, bits, sent))
-    codes = codes.astype(jnp.float32)
-    scales = payload.scales[..., None]
-    values = codes * (2.0 * scales / (2**bits - 1)) - scales
-  starts = jnp.arange(count * layout.blocks, dtype=jnp.int32) * layout.block
-  where = jnp.repeat(starts, layout.kept).reshape(count, -1) + indices
-  dense = jnp.zeros(count * layout.width, jnp.float32).at[where.reshape(-1)].add(
-      values.reshape(-1))
-  return dense[:size]
+    values = _dequantized(codes, payload.scales, bits)
+  return _scattered(indices, values, layout, size)
 
 
 def _on_shards(fast_axis: str, caller: str) -> bool:
