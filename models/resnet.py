@@ -9,12 +9,34 @@ are the whole state (no running statistics to synchronize across devices).
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+
+
+def _conv_kernel_init(key: jax.Array, shape: Sequence[int], dtype=jnp.float32) -> jax.Array:
+  """flax's default LeCun-normal kernel, drawn as its ``(h * w * in, out)`` matrix.
+
+  The values are bit-identical to drawing ``shape`` directly (the same random bits, the same
+  fan-in), but XLA's CPU compiler builds the 2-D draw several times faster: a ``3x3x16x16``
+  draw takes about 10 s of CPU to compile, its matrix form under 1 s.
+  """
+  matrix = nnx.initializers.lecun_normal()(key, (math.prod(shape[:-1]), shape[-1]), dtype)
+  return matrix.reshape(shape)
+
+
+def _standard_normal(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+  """``jax.random.normal(key, shape)``, bit-identical, drawn flat (faster to compile on CPU)."""
+  return jax.random.normal(key, (math.prod(shape),)).reshape(shape)
+
+
+def _conv(in_features: int, features: int, size: int, stride: int, rngs: nnx.Rngs) -> nnx.Conv:
+  return nnx.Conv(in_features, features, (size, size), strides=stride, use_bias=False,
+                  kernel_init=_conv_kernel_init, rngs=rngs)
 
 
 def _norm(features: int, rngs: nnx.Rngs) -> nnx.GroupNorm:
@@ -32,13 +54,11 @@ class BasicBlock(nnx.Module):
   """
 
   def __init__(self, in_features: int, features: int, stride: int, *, rngs: nnx.Rngs):
-    self.conv1 = nnx.Conv(in_features, features, (3, 3), strides=stride, use_bias=False,
-                          rngs=rngs)
+    self.conv1 = _conv(in_features, features, 3, stride, rngs)
     self.norm1 = _norm(features, rngs)
-    self.conv2 = nnx.Conv(features, features, (3, 3), use_bias=False, rngs=rngs)
+    self.conv2 = _conv(features, features, 3, 1, rngs)
     self.norm2 = _norm(features, rngs)
-    self.shortcut = (nnx.Conv(in_features, features, (1, 1), strides=stride, use_bias=False,
-                              rngs=rngs)
+    self.shortcut = (_conv(in_features, features, 1, stride, rngs)
                      if stride != 1 or in_features != features else None)
 
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -63,7 +83,7 @@ class ResNet(nnx.Module):
 
   def __init__(self, widths: Sequence[int] = (16, 32, 64), blocks: int = 1, classes: int = 10,
                in_features: int = 3, *, rngs: nnx.Rngs):
-    self.stem = nnx.Conv(in_features, widths[0], (3, 3), use_bias=False, rngs=rngs)
+    self.stem = _conv(in_features, widths[0], 3, 1, rngs)
     self.stem_norm = _norm(widths[0], rngs)
     layers = []
     previous = widths[0]
@@ -117,10 +137,10 @@ def template_images(seed: int, samples: int, classes: int = 10, size: int = 32,
     Compiled once per ``(samples, classes, size)``.
   """
   keys = jax.random.split(jax.random.PRNGKey(seed), 4)
-  coarse = jax.random.normal(keys[0], (classes, 8, 8, 3))
+  coarse = _standard_normal(keys[0], (classes, 8, 8, 3))
   templates = jax.image.resize(coarse, (classes, size, size, 3), method="linear")
   labels = jax.random.randint(keys[1], (samples,), 0, classes)
   shifts = jax.random.randint(keys[2], (samples, 2), -(size // 4), size // 4 + 1)
   images = jax.vmap(lambda label, shift: jnp.roll(templates[label], shift, axis=(0, 1)))(
       labels, shifts)
-  return images + noise * jax.random.normal(keys[3], images.shape), labels.astype(jnp.int32)
+  return images + noise * _standard_normal(keys[3], images.shape), labels.astype(jnp.int32)

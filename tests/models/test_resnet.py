@@ -1,5 +1,6 @@
 """The CIFAR-style ResNet has the expected shapes and fits the generated template images."""
 
+import chex
 import jax
 import pytest
 from flax import nnx
@@ -21,6 +22,15 @@ def test_resnet20_shapes_and_size():
   assert images.shape == (4, 32, 32, 3) and labels.shape == (4,)
   logits = jax.eval_shape(lambda p, x: nnx.merge(graphdef, p)(x), params, images)
   assert logits.shape == (4, 10)
+
+
+def test_flat_draws_are_the_shaped_draws_bit_for_bit():
+  key = jax.random.key(7)
+  shape = (2, 2, 3, 4)
+  chex.assert_trees_all_equal(resnet._conv_kernel_init(key, shape),
+                              nnx.initializers.lecun_normal()(key, shape))
+  chex.assert_trees_all_equal(resnet._standard_normal(key, shape),
+                              jax.random.normal(key, shape))
 
 
 def test_template_images_are_deterministic_and_share_templates():
