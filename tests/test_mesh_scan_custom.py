@@ -155,6 +155,9 @@ def test_cluster_model_uses_the_models_own_shapes():
   modeled = cluster.model_step([REGISTRY["fp32"]], None, shapes, spec)["fp32"]
   assert modeled["inter_bytes"] == 2 * 7 / 8 * 4 * (15 + 7)
   assert modeled["step_ms"] == pytest.approx(1e3 * 2 * 7 / 8 * 4 * (15 + 7))
+  # The bandwidth sweep is model_step with the inter-host link at each bandwidth.
+  swept = cluster.step_ms_over_bandwidths(REGISTRY["fp32"], None, shapes, spec, [1.0, 4.0])
+  assert swept == [modeled["step_ms"], modeled["step_ms"] / 4]
 
 
 @pytest.mark.parametrize("spec, words", [

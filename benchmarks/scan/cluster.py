@@ -107,7 +107,17 @@ def model_step(methods, setting, shapes, cluster: Cluster) -> dict[str, dict]:
     if method.project is None:
       continue
     traffic = method.project(setting, shapes, cluster.hosts, cluster.local)
-    seconds = traffic.seconds(cluster.intra, cluster.inter)
+    comm_ms = 1e3 * traffic.seconds(cluster.intra, cluster.inter)
     rows[method.name] = {"inter_bytes": traffic.slow_bytes, "intra_bytes": traffic.fast_bytes,
-                         "comm_ms": 1e3 * seconds, "step_ms": cluster.compute_ms + 1e3 * seconds}
+                         "comm_ms": comm_ms, "step_ms": cluster.compute_ms + comm_ms}
   return rows
+
+
+def step_ms_over_bandwidths(method, setting, shapes, cluster: Cluster,
+                            bandwidths) -> list[float]:
+  """:func:`model_step`'s ``step_ms`` of ``method`` with ``cluster``'s inter-host link at each
+  of ``bandwidths`` (bytes per second per device, its latency kept); the traffic is modeled
+  once, as it does not depend on the link."""
+  traffic = method.project(setting, shapes, cluster.hosts, cluster.local)
+  return [cluster.compute_ms + 1e3 * traffic.seconds(cluster.intra, links.Link(
+      "sweep", bandwidth, cluster.inter.latency_s)) for bandwidth in bandwidths]

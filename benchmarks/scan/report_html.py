@@ -23,7 +23,6 @@ import numpy as np  # noqa: E402
 from benchmarks.scan import cluster as clusters  # noqa: E402
 from benchmarks.scan.figures import smoothed  # noqa: E402
 from benchmarks.scan.plots import BANDWIDTHS  # noqa: E402
-from jaxcomm import links  # noqa: E402
 
 #: Method families, by name prefix: one loss-curve panel each (fp32 drawn in every panel).
 FAMILIES = (
@@ -83,9 +82,7 @@ def cluster_sweep(methods, setting, shapes, spec: clusters.Cluster, names: list[
   figure, axis = plt.subplots(figsize=(8, 4.8))
   chosen = [m for m in methods if m.name in names]
   for method in chosen:
-    times = [clusters.model_step([method], setting, shapes, spec._replace(
-        inter=links.Link("sweep", bandwidth, spec.inter.latency_s)))[method.name]["step_ms"]
-             for bandwidth in BANDWIDTHS]
+    times = clusters.step_ms_over_bandwidths(method, setting, shapes, spec, BANDWIDTHS)
     axis.plot(BANDWIDTHS / 1e9, times, label=method.name, linewidth=1.5)
   axis.axvline(spec.inter.bandwidth_bytes_per_s / 1e9, color="grey", linestyle="--",
                label=f"your inter link ({spec.inter.name})")

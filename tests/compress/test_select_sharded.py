@@ -24,5 +24,6 @@ def test_topk_on_device_local_data_inside_shard_map_equals_outside():
     return roundtrip(x[0])[None]
 
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 2 * MIN_FAST_SIZE))
-  np.testing.assert_array_equal(per_device(x), jax.vmap(roundtrip)(x))
+  # The reference jitted too: run op by op, its compilations cost five times the CPU.
+  np.testing.assert_array_equal(per_device(x), jax.jit(jax.vmap(roundtrip))(x))
   assert int(jnp.sum(per_device(x)[3] != 0)) == int(0.1 * 2 * MIN_FAST_SIZE)
