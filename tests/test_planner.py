@@ -56,3 +56,11 @@ def test_bad_arguments(kwargs, match):
   arguments = {"hosts": 2, "local": 4, "slow_link": "1gbe", **kwargs}
   with pytest.raises((ValueError, TypeError), match=match):
     jaxcomm.plan(_grads(), **arguments)
+
+
+def test_planning_again_reuses_the_compiled_error_measurement():
+  from jaxcomm._src import planner
+  jaxcomm.plan(_grads(), hosts=4, local=2, slow_link="1gbe")
+  compiled = planner._round_trip_errors._cache_size()
+  jaxcomm.plan(_grads(), hosts=2, local=4, slow_link="10gbe", max_error=0.3, seed=1)
+  assert planner._round_trip_errors._cache_size() == compiled

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -21,8 +22,10 @@ from jaxcomm._src.keys import as_key, check_seed
 from jaxcomm._src.links import Link, link
 
 
+@functools.cache
 def default_candidates() -> tuple[Compressor, ...]:
-  """int8, 1-bit sign, and top-k at 10%, 1% and 0.1%."""
+  """int8, 1-bit sign, and top-k at 10%, 1% and 0.1%: the same compressor values on every
+  call, so that every :func:`plan` with them reuses one compiled error measurement."""
   return (quantize(8), sign(), topk(0.1), topk(0.01), topk(0.001))
 
 
@@ -88,29 +91,33 @@ def _slow_cost(compressor: Compressor | None, shard: int, hosts: int, slow: Link
   return strategy.name, cost.nbytes, cost.seconds(slow)
 
 
+@functools.partial(jax.jit, static_argnums=0)
+def _round_trip_errors(candidates: tuple[Compressor, ...], flats: list[jax.Array],
+                       key: jax.Array) -> jax.Array:
+  """``||C(x) - x|| / ||x||`` of each candidate on each flat leaf, ``(candidates, leaves)``.
+  Compiled once per candidates and leaf sizes (the candidates are a static argument)."""
+  norms = [jnp.linalg.norm(flat) for flat in flats]
+  rows = []
+  for compressor in candidates:
+    row = []
+    for flat, norm in zip(flats, norms):
+      payload, _ = compressor.encode(flat, compressor.init(flat.shape, flat.dtype), key)
+      difference = jnp.linalg.norm(compressor.decode(payload, flat.shape) - flat)
+      row.append(jnp.where(norm == 0.0, 0.0, difference / jnp.where(norm == 0.0, 1.0, norm)))
+    rows.append(jnp.stack(row))
+  return jnp.stack(rows)
+
+
 def _relative_errors(candidates: Sequence[Compressor], leaves: Sequence[jax.Array],
                      key: jax.Array) -> np.ndarray:
   """``||C(x) - x|| / ||x||`` of one compressed round trip of each flattened leaf under each
   candidate, shape ``(len(candidates), len(leaves))`` (0 for an all-zero leaf). Compiled as
   one program: one per (candidate, leaf) would cost a compilation each, hundreds on a real
   model, and eagerly each of the compressor's operations would be its own compilation."""
-
-  @jax.jit
-  def errors(flats, key):
-    norms = [jnp.linalg.norm(flat) for flat in flats]
-    rows = []
-    for compressor in candidates:
-      row = []
-      for flat, norm in zip(flats, norms):
-        payload, _ = compressor.encode(flat, compressor.init(flat.shape, flat.dtype), key)
-        difference = jnp.linalg.norm(compressor.decode(payload, flat.shape) - flat)
-        row.append(jnp.where(norm == 0.0, 0.0, difference / jnp.where(norm == 0.0, 1.0, norm)))
-      rows.append(jnp.stack(row))
-    return jnp.stack(rows)
-
   if not candidates or not leaves:
     return np.zeros((len(candidates), len(leaves)))
-  return np.asarray(errors([leaf.reshape(-1).astype(jnp.float32) for leaf in leaves], key))
+  return np.asarray(_round_trip_errors(
+      tuple(candidates), [leaf.reshape(-1).astype(jnp.float32) for leaf in leaves], key))
 
 
 def plan(grads, *, hosts: int, local: int, slow_link: Link | str,
