@@ -92,17 +92,16 @@ def _dense_powersgd(grads, rank, steps, hosts=2, seed=0):
 
 
 def test_row_blocks_equal_whole_matrix_powersgd_over_steps():
-  """Padded rows (30 = 4 * 8 - 2), two leaves stacked into one group, a 3-D leaf, feedback
-  and warm start over three steps: the outputs of the dense reference."""
+  """Padded rows (30 = 4 * 8 - 2), a 3-D leaf and a 2-D one stacked into one group, feedback
+  and warm start over two steps: the outputs of the dense reference."""
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  keys = jax.random.split(jax.random.PRNGKey(5), 3)
+  keys = jax.random.split(jax.random.PRNGKey(5), 2)
   grads = {"a": fast_random.normal(keys[0], (8, 10, 3, 8)),
-           "b": fast_random.normal(keys[1], (8, 30, 8)),
-           "c": fast_random.normal(keys[2], (8, 64, 12))}
+           "b": fast_random.normal(keys[1], (8, 30, 8))}
   tx = jaxcomm.powersgd_allreduce(rank=2, seed=0)
-  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=3)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=2)
   outputs, _ = run(grads, state)
-  for step, expected in enumerate(_dense_powersgd(grads, rank=2, steps=3)):
+  for step, expected in enumerate(_dense_powersgd(grads, rank=2, steps=2)):
     for name in grads:
       np.testing.assert_allclose(outputs[name][step], expected[name], rtol=2e-4, atol=2e-5)
 
