@@ -175,8 +175,9 @@ def test_powersgd_warmup_reports_its_steady_state():
   steady, warmup = _steady_and_warmup(jaxcomm.powersgd_allreduce(rank, warmup_steps=10), params,
                                       mesh)
   ring = 2 * (2 - 1) / 2
-  assert steady == pytest.approx(ring * 4 * (rank * (m + n) + bias))  # factors + dense bias
-  assert warmup == pytest.approx(ring * 4 * (m * n + bias))  # everything dense
+  # The (out, rest) = (n, m) matrix: P (n x r), this device's m / 4 rows of Q, the dense bias
+  assert steady == pytest.approx(ring * 4 * (rank * (n + m // 4) + bias))
+  assert warmup == pytest.approx(ring * 4 * (m // 4 * n + bias))  # its rows dense
   no_warmup = measure_update(jaxcomm.powersgd_allreduce(rank), params, mesh)
   assert no_warmup.conditionals() == {} and no_warmup.link_bytes()["host"] == steady
 

@@ -79,9 +79,23 @@ def test_projection_matches_the_cost_model_and_the_formulas():
   assert flat.seconds(fast, slow) == pytest.approx(
       sum(costmodel.all_reduce_time(4 * math.prod(s), 32, slow) for s in shapes))
   low_rank = projection.powersgd(shapes, 4, 8, rank=2)
-  assert low_rank.slow_bytes == pytest.approx(2 * 3 / 4 * 4 * (2 * (512 + 256) + 256))
+  # P (256 x 2) and this device's 512 / 8 rows of Q (512 x 2); the bias dense
+  assert low_rank.slow_bytes == pytest.approx(2 * 3 / 4 * 4 * (2 * (256 + 512 // 8) + 256))
   # A period divides steps and bytes, so the modeled time too
   assert gather.scaled(1 / 8).seconds(fast, slow) == pytest.approx(gather.seconds(fast, slow) / 8)
+
+
+def test_powersgd_projection_equals_the_compiled_collective_bytes():
+  """Rows padded (30 over 4 devices), two leaves of one matrix shape stacked, a dense bias."""
+  import jax.numpy as jnp
+  import jaxcomm
+  from update_helpers import measure_update
+  params = {"a": jnp.zeros((10, 3, 8)), "b": jnp.zeros((30, 8)), "d": jnp.zeros(12)}
+  measured = measure_update(jaxcomm.powersgd_allreduce(2), params,
+                            jaxcomm.make_mesh(hosts=2, local=4)).link_bytes()
+  modeled = projection.powersgd([p.shape for p in params.values()], 2, 4, rank=2)
+  assert (modeled.slow_bytes, modeled.fast_bytes) == pytest.approx(
+      (measured["host"], measured["local"]))
 
 
 def test_one_host_and_one_device_per_host_meshes(tmp_path):

@@ -41,21 +41,28 @@ def hierarchical(shapes: Iterable[Shape], hosts: int, local: int, compressor,
 
 def powersgd(shapes: Iterable[Shape], hosts: int, local: int, rank: int,
              min_compression_rate: float = 2.0) -> Traffic:
-  """:func:`jaxcomm.powersgd_allreduce`: dense ``psum`` of every leaf inside hosts; across
-  hosts, for the leaves viewed as ``m x n`` matrices whose rate reaches
-  ``min_compression_rate``, one ``psum`` of the stacked ``P`` (``4 r m`` bytes per leaf) and
-  one of the stacked ``Q`` (``4 r n``) per distinct matrix shape; other leaves dense."""
+  """:func:`jaxcomm.powersgd_allreduce`: leaves viewed as ``m x n`` matrices whose rate
+  reaches ``min_compression_rate`` are reduce-scattered by blocks of ``c = ceil(n / G)`` rows
+  of ``M^T`` inside hosts and their approximations all-gathered back; per distinct matrix
+  shape one ``psum`` of the stacked ``P`` parts (``4 r m`` bytes per leaf) and one of ``r + 1``
+  floats per leaf (column norms and a non-finite flag) inside hosts, and across hosts one
+  ``psum`` of the stacked ``P`` and one of the stacked blocks of ``Q`` (``4 r c``); other
+  leaves dense on both axes (:mod:`jaxcomm.collectives.powersgd`)."""
   fast = NO_COST
   stacked: dict[tuple[int, int], int] = {}
   messages = []
   for shape in shapes:
-    size = 4 * math.prod(shape)
-    fast = fast + ring_cost("all-reduce", size, local)
     if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
       matrix = matrix_shape(tuple(shape))
       stacked[matrix] = stacked.get(matrix, 0) + 1
+      rows = 4 * local * math.ceil(matrix[1] / local) * matrix[0]
+      fast = (fast + ring_cost("reduce-scatter", rows / local, local)
+              + ring_cost("all-gather", rows, local))
     else:
-      messages.append(size)
+      fast = fast + ring_cost("all-reduce", 4 * math.prod(shape), local)
+      messages.append(4 * math.prod(shape))
   for (rows, cols), count in stacked.items():
-    messages += [4 * rank * rows * count, 4 * rank * cols * count]
+    fast = (fast + ring_cost("all-reduce", 4 * rank * rows * count, local)
+            + ring_cost("all-reduce", 4 * (rank + 1) * count, local))
+    messages += [4 * rank * rows * count, 4 * rank * math.ceil(cols / local) * count]
   return Traffic(fast, sum((ring_cost("all-reduce", m, hosts) for m in messages), NO_COST))

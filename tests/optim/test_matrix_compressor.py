@@ -24,8 +24,9 @@ def test_inter_host_bytes_are_the_factors_of_powersgd_allreduce():
                                                        nonfinite="propagate"), _params(), mesh)
   direct = measure_update(jaxcomm.powersgd_allreduce(RANK), _params(), mesh)
   ring = 2 * (hosts - 1) / hosts
-  # P (n x r) and Q (m x r) of the (out, rest) = (N, M) matrix; the bias is psum-ed dense.
-  expected = ring * 4 * (RANK * (M + N) + BIAS)
+  # P (N x r) of the (out, rest) = (N, M) matrix and this device's M / local rows of Q
+  # (M x r); the bias is psum-ed dense.
+  expected = ring * 4 * (RANK * (N + M // local) + BIAS)
   assert routed.link_bytes()["host"] == pytest.approx(expected)
   assert direct.link_bytes()["host"] == pytest.approx(expected)
   dense = measure_update(jaxcomm.compressed_allreduce(nonfinite="propagate"), _params(), mesh)
@@ -35,7 +36,7 @@ def test_inter_host_bytes_are_the_factors_of_powersgd_allreduce():
 def test_skip_adds_only_the_four_byte_agreement():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   skip = measure_update(jaxcomm.compressed_allreduce(jaxcomm.powersgd(RANK)), _params(), mesh)
-  expected = 4 * (RANK * (M + N) + BIAS) + 2 * 7 / 8 * 4
+  expected = 4 * (RANK * (N + M // 4) + BIAS) + 2 * 7 / 8 * 4
   assert skip.link_bytes()["host"] == pytest.approx(expected)
 
 

@@ -55,6 +55,57 @@ def test_rank_at_least_the_matrix_rank_reproduces_the_dense_mean(rank):
   chex.assert_trees_all_close(jnp.sum(residuals, 0), jnp.zeros((24, 16)), atol=1e-4)
 
 
+def _dense_powersgd(grads, rank, steps, hosts=2, seed=0):
+  """Whole-matrix PowerSGD with error feedback in float64 numpy, every leaf factorized: the
+  reference the row-block collective must reproduce. ``grads`` maps names (in leaf order) to
+  per-device gradients ``(H G, ...)``; returns each step's outputs."""
+  from jaxcomm._src.compress.powersgd import initial_q
+  from jaxcomm._src.keys import nth_key
+  names = sorted(grads)
+  rows = {k: np.asarray(grads[k], np.float64).reshape(hosts, -1, *grads[k].shape[1:])
+          for k in names}
+  # Each host's sum of g / (H G), as M^T: (n, m).
+  host_sums = {k: rows[k].sum(1).reshape(hosts, -1, grads[k].shape[-1]) / len(grads[k])
+               for k in names}
+  q = {k: np.asarray(initial_q(nth_key(seed, i), grads[k].shape[1:], rank), np.float64)
+       for i, k in enumerate(names)}
+  residual = {k: np.zeros_like(host_sums[k]) for k in names}
+  outputs = []
+  for _ in range(steps):
+    step = {}
+    for k in names:
+      corrected = host_sums[k] + residual[k]
+      p = np.einsum("hnm,nr->mr", corrected, q[k])
+      columns = []
+      for column in p.T:
+        for previous in columns:
+          column = column - previous @ column * previous
+        columns.append(column / (np.linalg.norm(column) + 1e-8))
+      p = np.stack(columns, 1)
+      new_q = np.einsum("hnm,mr->nr", corrected, p)
+      approx = new_q @ p.T
+      residual[k] = corrected - approx / hosts
+      q[k] = np.where(np.linalg.norm(new_q, axis=0) > 0, new_q, q[k])
+      step[k] = approx.reshape(grads[k].shape[1:])
+    outputs.append(step)
+  return outputs
+
+
+def test_row_blocks_equal_whole_matrix_powersgd_over_steps():
+  """Padded rows (30 = 4 * 8 - 2), a 3-D leaf and a 2-D one stacked into one group, feedback
+  and warm start over two steps: the outputs of the dense reference."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  keys = jax.random.split(jax.random.PRNGKey(5), 2)
+  grads = {"a": fast_random.normal(keys[0], (8, 10, 3, 8)),
+           "b": fast_random.normal(keys[1], (8, 30, 8))}
+  tx = jaxcomm.powersgd_allreduce(rank=2, seed=0)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=2)
+  outputs, _ = run(grads, state)
+  for step, expected in enumerate(_dense_powersgd(grads, rank=2, steps=2)):
+    for name in grads:
+      np.testing.assert_allclose(outputs[name][step], expected[name], rtol=2e-4, atol=2e-5)
+
+
 def test_warm_started_iterations_converge_to_the_best_rank_r_approximation():
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   keys = jax.random.split(jax.random.PRNGKey(1), 3)
@@ -105,10 +156,14 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   compressed = jaxcomm.powersgd_allreduce(rank=2)
   run, state = _stepper(mesh, compressed, jax.tree.map(lambda g: g[0], grads), steps=1)
   report = jaxcomm.accounting.measure(run, grads, state, mesh=mesh)
-  factor_bytes = 4 * 2 * (48 + 64)  # P (48 x 2: the (out, rest) view) and Q (64 x 2)
+  # P (48 x 2: the (out, rest) view) and this device's 64 / 4 rows of Q
+  factor_bytes = 4 * 2 * (48 + 64 // 4)
   assert report.bytes_per_axes()[("host",)] == pytest.approx(
       2 * (2 - 1) / 2 * (factor_bytes + 4 * 48))
-  assert report.bytes_per_axes()[("local",)] == pytest.approx(2 * 3 / 4 * 4 * (64 * 48 + 48))
+  # The gradient's reduce-scatter and the approximation's all-gather, the all-reduces of P's
+  # parts and of Q's column norms with the non-finite flag, the dense bias
+  assert report.bytes_per_axes()[("local",)] == pytest.approx(
+      3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 1 + 48))
 
 
 def test_non_finite_gradients_leave_the_state_finite():

@@ -1,17 +1,24 @@
-"""PowerSGD's two-round collective: dense inside a host, rank-r factors between hosts.
+"""PowerSGD's two-round collective: row blocks inside a host, rank-r factors between hosts.
 
-For ``G`` devices per host, ``H`` hosts and a gradient matrix ``M`` of ``m x n`` float32
-(``D = 4 m n`` bytes), each device sends per step:
+A factorized leaf is held as ``M^T`` (:func:`~jaxcomm.compress.powersgd.as_rows`, ``n x m``
+float32, ``n`` padded with zero rows to ``n' = G c``, ``c = ceil(n / G)``, ``D' = 4 n' m``
+bytes). Each of a host's ``G`` devices holds one block of ``c`` rows of the host's sum and
+does the power iteration's work on that block only. For ``H`` hosts each device sends per step
+and factorized leaf:
 
-* fast axis: an all-reduce of the whole gradient, ``2 (G-1)/G D``;
-* slow axis: all-reduces of ``P`` (``m x r``) and ``Q`` (``n x r``),
-  ``2 (H-1)/H * 4 r (m + n)``.
+* fast axis: a reduce-scatter of the gradient, ``(G-1)/G D'``; an all-reduce of its part of
+  ``P``, ``2 (G-1)/G 4 r m``; an all-reduce of ``r + 1`` floats (``Q``'s column norms and a
+  non-finite flag), ``2 (G-1)/G 4 (r + 1)``; an all-gather of the approximation, ``(G-1)/G D'``;
+* slow axis: all-reduces of ``P`` (``m x r``) and of this device's block of ``Q``
+  (``c x r``), ``2 (H-1)/H * 4 r (m + c)``.
 
-All matrices of the same shape are stacked so each shape costs one collective per round.
+Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
+the same shape are stacked so each shape costs one collective per round.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -24,58 +31,105 @@ from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
 
 class PowerSGDLeafState(NamedTuple):
-  """State of one factorized gradient leaf.
+  """State of one factorized gradient leaf: this device's block of ``c`` rows of ``M^T``.
 
   Attributes:
-    q: float32 ``(n, r)``, the warm start, replicated (it is the all-reduced ``Q``).
-    residual: float32, the leaf's shape: this host's unsent error (the same on every device
-      of the host, different between hosts).
+    q: float32 ``(c, r)``: this device's rows of the warm start ``Q`` (its block of the
+      all-reduced ``Q``), varying over the fast axis, the same on every host.
+    residual: float32 ``(c, m)``: this device's rows of its host's unsent error.
   """
   q: jax.Array
   residual: jax.Array
 
 
-def powersgd_reduce(leaves: Sequence[jax.Array], states: Sequence[PowerSGDLeafState | tuple],
-                    *, slow_axis: str, epsilon: float, feedback: bool):
-  """One PowerSGD step over ``slow_axis`` for leaves already summed over the fast axis.
+def block_rows(rows: int, devices: int) -> int:
+  """``c = ceil(n / G)``: the rows of ``M^T`` each of ``G`` devices holds."""
+  return math.ceil(rows / devices)
 
-  Each host ``h`` holds ``M_h`` with ``sum_h M_h`` the target mean. Factorized leaves
-  (``states[i]`` is a :class:`PowerSGDLeafState`): ``A = M_h + e_h``;
-  ``P = orthogonalize(psum(A Q))``; ``Q' = psum(A^T P)``; output ``P Q'^T`` (the rank-r
-  approximation of the mean); ``e_h' = A - P Q'^T / H`` (the averaged ``Q``: subtracting the
-  summed one would remove ``H`` times too much). Other leaves (``states[i] == ()``) are
-  ``psum``-ed dense.
+
+def row_block(leaf: jax.Array, fast_axis: str) -> jax.Array:
+  """This device's ``(c, m)`` block of ``psum(as_rows(leaf), fast_axis)``: one reduce-scatter,
+  rows padded with zeros to a multiple of ``G`` first (a copy only where ``G`` does not divide
+  ``n``)."""
+  rows = as_rows(leaf)
+  padding = jax.lax.axis_size(fast_axis) * block_rows(rows.shape[0], jax.lax.axis_size(fast_axis))
+  if padding > rows.shape[0]:
+    rows = jnp.pad(rows, ((0, padding - rows.shape[0]), (0, 0)))
+  return jax.lax.psum_scatter(rows, fast_axis, scatter_dimension=0, tiled=True)
+
+
+def gather_rows(block: jax.Array, shape: tuple[int, ...], fast_axis: str) -> jax.Array:
+  """Inverse of :func:`row_block`'s scatter: all-gathers the ``(c, m)`` blocks over
+  ``fast_axis`` and returns the leaf of ``shape``, identical on the axis's devices."""
+  rows = jax.lax.all_gather(block, fast_axis, tiled=True, to="invarying")
+  return rows[:math.prod(shape[:-1])].reshape(shape)
+
+
+def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafState | tuple],
+                    shapes: Sequence[tuple[int, ...]], *, fast_axis: str, slow_axis: str,
+                    epsilon: float, feedback: bool):
+  """One PowerSGD step over ``slow_axis``, each device working on its block of rows.
+
+  Each host ``h`` holds ``M_h`` with ``sum_h M_h`` the target mean; for a factorized leaf
+  (``states[i]`` is a :class:`PowerSGDLeafState`) ``blocks[i]`` is this device's ``(c, m)``
+  block ``M_{h,g}^T`` of its rows (:func:`row_block`), else it is the leaf's host sum. With
+  ``A_g = M_{h,g}^T + e_{h,g}``: ``P = orthogonalize(psum_fast,slow(A_g^T Q_g))`` (``M Q``
+  summed over row blocks and hosts); ``Q'_g = psum_slow(A_g P)``; the output's rows
+  ``Q'_g P^T`` are all-gathered over ``fast_axis``; ``e_{h,g}' = A_g - Q'_g P^T / H`` (the
+  averaged ``Q``). That is PowerSGD on the whole matrix up to float rounding. Other leaves
+  are ``psum``-ed dense over ``slow_axis``.
+
+  Args:
+    blocks: per leaf, the row block (factorized) or the host sum (dense).
+    states: per leaf, its :class:`PowerSGDLeafState` or ``()``.
+    shapes: per leaf, its shape.
+    fast_axis: the axis the row blocks are spread over.
+    slow_axis: the axis the factors are summed over.
+    epsilon: added to column norms in :func:`~jaxcomm.compress.powersgd.orthogonalize`.
+    feedback: update the residuals (else they stay as they are).
 
   Returns:
-    ``(outputs, new_states)``, outputs float32, identical on every device.
+    ``(outputs, new_states)``, outputs float32 of the leaves' shapes, identical on every device.
   """
-  hosts = jax.lax.axis_size(slow_axis)
-  outputs: list = [None] * len(leaves)
+  outputs: list = [None] * len(blocks)
   new_states: list = list(states)
   groups: dict[tuple, list[int]] = {}
-  for index, (leaf, state) in enumerate(zip(leaves, states)):
+  for index, (block, state) in enumerate(zip(blocks, states)):
     if isinstance(state, PowerSGDLeafState):
-      groups.setdefault((as_rows(leaf).shape, state.q.shape), []).append(index)
+      groups.setdefault((block.shape, state.q.shape), []).append(index)
     else:
-      outputs[index] = jax.lax.psum(leaf.astype(jnp.float32), slow_axis)
+      outputs[index] = jax.lax.psum(block.astype(jnp.float32), slow_axis)
   for indices in groups.values():
-    # Each matrix is held as ``M^T`` (:func:`as_rows`): no transposed copy is made.
-    corrected = jnp.stack([
-        as_rows(leaves[i].astype(jnp.float32))
-        + (as_rows(states[i].residual) if feedback else 0.0) for i in indices])
-    warm = jnp.stack([states[i].q for i in indices])
-    p = jax.lax.psum(project_rows(corrected, warm), slow_axis)
-    p = jax.vmap(lambda block: orthogonalize(block, epsilon))(p)
-    q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
-    approx = approximation_rows(p, q)
-    alive = jnp.linalg.norm(q, axis=1, keepdims=True) > 0
-    next_q = jnp.where(alive, q, warm)
+    approx, group_states = _factor_group([blocks[i] for i in indices],
+                                         [states[i] for i in indices], fast_axis=fast_axis,
+                                         slow_axis=slow_axis, epsilon=epsilon, feedback=feedback)
     for slot, i in enumerate(indices):
-      shape = leaves[i].shape
-      outputs[i] = approx[slot].reshape(shape)
-      residual = ((corrected[slot] - approx[slot] / hosts).reshape(shape) if feedback
-                  else states[i].residual)
-      # A non-finite gradient anywhere poisons the summed factors: keep the old state.
-      new_states[i] = keep_if(has_nonfinite(approx[slot]), states[i],
-                              PowerSGDLeafState(q=next_q[slot], residual=residual))
+      outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
+      new_states[i] = group_states[slot]
   return outputs, new_states
+
+
+def _factor_group(blocks, states, *, fast_axis: str, slow_axis: str, epsilon: float,
+                  feedback: bool):
+  """:func:`powersgd_reduce` for the stacked row blocks of same-shaped leaves: the rows of
+  the approximation ``(k, c, m)`` and the new states."""
+  corrected = jnp.stack([block.astype(jnp.float32) + (state.residual if feedback else 0.0)
+                         for block, state in zip(blocks, states)])
+  warm = jnp.stack([state.q for state in states])
+  p = jax.lax.psum(jax.lax.psum(project_rows(corrected, warm), fast_axis), slow_axis)
+  p = jax.vmap(lambda factor: orthogonalize(factor, epsilon))(p)
+  q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
+  approx = approximation_rows(p, q)
+  # One all-reduce over the fast axis gives Q's squared column norms and whether any device's
+  # rows of the approximation are not finite (a NaN anywhere poisons the summed factors).
+  flags = jnp.stack([has_nonfinite(rows) for rows in approx]).astype(jnp.float32)
+  totals = jax.lax.psum(jnp.concatenate([jnp.sum(q * q, axis=1), flags[:, None]], axis=1),
+                        fast_axis)
+  next_q = jnp.where(totals[:, None, :-1] > 0, q, warm)
+  hosts = jax.lax.axis_size(slow_axis)
+  new_states = []
+  for slot, state in enumerate(states):
+    residual = corrected[slot] - approx[slot] / hosts if feedback else state.residual
+    new_states.append(keep_if(totals[slot, -1] > 0, state,
+                              PowerSGDLeafState(q=next_q[slot], residual=residual)))
+  return approx, new_states

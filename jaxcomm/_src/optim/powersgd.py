@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm._src.accounting import warmup
-from jaxcomm._src.collectives.powersgd import PowerSGDLeafState, powersgd_reduce
+from jaxcomm._src.collectives.powersgd import (PowerSGDLeafState, block_rows, gather_rows,
+                                               powersgd_reduce, row_block)
 from jaxcomm._src.compress.base import psum_payload
-from jaxcomm._src.compress.powersgd import PowerSGDMethod, compression_rate, initial_q
+from jaxcomm._src.compress.powersgd import (PowerSGDMethod, compression_rate, initial_q,
+                                            matrix_shape)
 from jaxcomm._src.mesh_axes import require_axes, require_varying, vary
 from jaxcomm._src.keys import check_seed, nth_key
 from jaxcomm._src.optim import hsdp
@@ -27,8 +29,9 @@ class PowerSGDAllReduceState(NamedTuple):
 
   Attributes:
     leaves: per gradient leaf (``jax.tree.leaves`` order): a
-      :class:`~jaxcomm.collectives.powersgd.PowerSGDLeafState` for factorized leaves (``q``
-      replicated, ``residual`` varying over the slow axis only), ``()`` for leaves sent dense.
+      :class:`~jaxcomm.collectives.powersgd.PowerSGDLeafState` for factorized leaves (this
+      device's block of rows: ``q`` varying over the fast axis only, ``residual`` over both),
+      ``()`` for leaves sent dense.
     count: int32 step counter.
   """
   leaves: tuple
@@ -41,18 +44,23 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
                        slow_axis: str = HOST_AXIS) -> optax.GradientTransformation:
   """Mean of per-device gradients: dense inside a host, rank-``r`` PowerSGD between hosts.
 
-  Each step: ``psum`` over ``fast_axis`` at full precision (the whole gradient; every device
-  of a host then holds the host's sum); for each leaf with at least 2 dimensions whose
-  compression rate ``m n / (r (m + n))`` reaches ``min_compression_rate`` (viewed as the
-  ``(out, rest)`` matrix, so conv kernels become ``(out, h w in)``), one warm-started power
-  iteration with error feedback whose two products ``P = M Q`` and ``Q = M^T P`` are
-  ``psum``-ed over ``slow_axis`` (same-shaped matrices stacked into one collective); other
-  leaves are ``psum``-ed dense. For the first ``warmup_steps`` steps everything is sent dense
-  (the paper's warm-up). ``Q`` starts from a key shared by every device.
+  Each leaf with at least 2 dimensions whose compression rate ``m n / (r (m + n))`` reaches
+  ``min_compression_rate`` is viewed as the ``(out, rest)`` matrix ``M`` (conv kernels become
+  ``(out, h w in)``) and held as ``M^T``, ``n`` rows; each step it is reduce-scattered over
+  ``fast_axis`` at full precision, so each of a host's ``G`` devices holds ``c = ceil(n / G)``
+  rows of the host's sum, and runs one warm-started power iteration with error feedback on its
+  rows: ``P = M Q`` is summed over the row blocks and over ``slow_axis``, ``Q = M^T P`` (this
+  device's rows) over ``slow_axis``, and the rows of the approximation are all-gathered over
+  ``fast_axis``. That is PowerSGD on the whole matrix up to float rounding, without each
+  device of a host repeating it. Same-shaped matrices are stacked into one collective; other
+  leaves are ``psum``-ed dense over both axes. For the first ``warmup_steps`` steps everything
+  is sent dense (the paper's warm-up; a factorized leaf's rows over ``slow_axis``). ``Q``
+  starts from a key shared by every device.
 
-  Bytes per device and step for an ``m x n`` float32 leaf (``D = 4 m n``), ``G`` devices per
-  host and ``H`` hosts: ``2 (G-1)/G D`` over the fast axis, ``2 (H-1)/H 4 r (m + n)`` over the
-  slow axis (see :mod:`jaxcomm.collectives.powersgd`).
+  Bytes per device and step for a factorized float32 leaf (``D' = 4 G c m``), ``G`` devices per
+  host and ``H`` hosts: over the fast axis ``2 (G-1)/G D'`` (reduce-scatter and all-gather)
+  plus ``2 (G-1)/G 4 (r m + r + 1)``; over the slow axis ``2 (H-1)/H 4 r (m + c)`` (see
+  :mod:`jaxcomm.collectives.powersgd`).
 
   Args:
     rank: ``r`` >= 1.
@@ -89,7 +97,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 
   def init(params) -> PowerSGDAllReduceState:
     require_axes(axes, "powersgd_allreduce.init")
-    return _init_state(params, rank, min_compression_rate, seed, slow_axis,
+    return _init_state(params, rank, min_compression_rate, seed, fast_axis, slow_axis,
                        _sharded_leaves(fast_axis))
 
   def update(grads, state: PowerSGDAllReduceState, params=None):
@@ -99,13 +107,13 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     require_varying(grads, axes, "powersgd_allreduce.update")
     leaves, treedef = jax.tree.flatten(grads)
     shards = _sharded_leaves(fast_axis)
-    host_sums = _host_sums(leaves, shards, fast_axis, slow_axis)
-
-    dense = functools.partial(_dense_sums, slow_axis)
+    host_sums = _host_sums(leaves, state.leaves, shards, fast_axis, slow_axis)
+    shapes = None if shards is not None else [leaf.shape for leaf in leaves]
+    dense = functools.partial(_dense_sums, slow_axis, fast_axis, shapes)
 
     def compressed(operands):
-      reduce = powersgd_reduce if shards is None else functools.partial(
-          hsdp.powersgd_on_shards, shards=shards)
+      reduce = (functools.partial(powersgd_reduce, shapes=shapes, fast_axis=fast_axis)
+                if shards is None else functools.partial(hsdp.powersgd_on_shards, shards=shards))
       return reduce(*operands, slow_axis=slow_axis, epsilon=epsilon, feedback=feedback)
 
     operands = (host_sums, list(state.leaves))
@@ -130,19 +138,27 @@ def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:
   return shards
 
 
-def _host_sums(leaves, shards, fast_axis: str, slow_axis: str) -> list:
-  """Each leaf's host sum of ``g / (G H)``: a ``psum`` over ``fast_axis``; under
-  ``shard_over`` each device already holds its shard of the host's mean, divided by ``H``."""
+def _host_sums(leaves, states, shards, fast_axis: str, slow_axis: str) -> list:
+  """Each leaf's host sum of ``g / (G H)``: for a factorized leaf this device's block of its
+  rows (:func:`jaxcomm.collectives.powersgd.row_block`, a reduce-scatter over ``fast_axis``),
+  for a dense one a ``psum`` over ``fast_axis``; under ``shard_over`` each device already holds
+  its shard of the host's mean, divided by ``H``."""
   if shards is not None:
     return [(g / jax.lax.axis_size(slow_axis)).astype(g.dtype) for g in leaves]
   devices = jax.lax.axis_size(fast_axis) * jax.lax.axis_size(slow_axis)
-  return [jax.lax.psum((g / devices).astype(g.dtype), fast_axis) for g in leaves]
+  sums = []
+  for g, state in zip(leaves, states):
+    mean = (g / devices).astype(g.dtype)
+    sums.append(row_block(mean, fast_axis) if isinstance(state, PowerSGDLeafState)
+                else jax.lax.psum(mean, fast_axis))
+  return sums
 
 
 def _init_state(params, rank: int, min_compression_rate: float, seed: int | jax.Array,
-                slow_axis: str, shards=None) -> PowerSGDAllReduceState:
-  """A warm-start ``Q`` and a zero residual (varying over ``slow_axis``) per factorized leaf,
-  ``()`` per leaf sent dense; under ``shard_over`` (``shards``) by column blocks."""
+                fast_axis: str, slow_axis: str, shards=None) -> PowerSGDAllReduceState:
+  """Per factorized leaf this device's rows of the warm start ``Q`` and a zero residual
+  (:class:`~jaxcomm.collectives.powersgd.PowerSGDLeafState`), ``()`` per leaf sent dense;
+  under ``shard_over`` (``shards``) by column blocks."""
   if shards is not None:
     check_float_tree(params, "params")
     states = hsdp.powersgd_states(jax.tree.leaves(params), shards, rank=rank,
@@ -150,21 +166,33 @@ def _init_state(params, rank: int, min_compression_rate: float, seed: int | jax.
                                   slow_axis=slow_axis)
     return PowerSGDAllReduceState(leaves=states, count=jnp.zeros((), jnp.int32))
   states = []
+  devices = jax.lax.axis_size(fast_axis)
   for index, (path, leaf) in enumerate(jax.tree_util.tree_leaves_with_path(params)):
     check_float_input(leaf, f"params{jax.tree_util.keystr(path)}")
     if compression_rate(tuple(leaf.shape), rank) < min_compression_rate:
       states.append(())
       continue
-    states.append(PowerSGDLeafState(q=initial_q(nth_key(seed, index), leaf.shape, rank),
-                                    residual=vary(jnp.zeros(leaf.shape, jnp.float32),
-                                                  (slow_axis,))))
+    m, n = matrix_shape(tuple(leaf.shape))
+    rows = block_rows(n, devices)
+    q = jnp.pad(initial_q(nth_key(seed, index), leaf.shape, rank),
+                ((0, rows * devices - n), (0, 0)))
+    q = jax.lax.dynamic_slice_in_dim(q, jax.lax.axis_index(fast_axis) * rows, rows)
+    states.append(PowerSGDLeafState(
+        q=vary(q, (fast_axis,)),
+        residual=vary(jnp.zeros((rows, m), jnp.float32), (fast_axis, slow_axis))))
   return PowerSGDAllReduceState(leaves=tuple(states), count=jnp.zeros((), jnp.int32))
 
 
-def _dense_sums(slow_axis: str, operands):
-  """Warm-up: every host sum ``psum``-ed over ``slow_axis`` in float32; states untouched."""
+def _dense_sums(slow_axis: str, fast_axis: str, shapes, operands):
+  """Warm-up: every host sum ``psum``-ed over ``slow_axis`` in float32, a factorized leaf's
+  row blocks then all-gathered over ``fast_axis`` (unless ``shapes`` is ``None``: under
+  ``shard_over`` the outputs stay shards); states untouched."""
   sums, states = operands
-  return [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums], list(states)
+  outputs = [jax.lax.psum(s.astype(jnp.float32), slow_axis) for s in sums]
+  if shapes is not None:
+    outputs = [gather_rows(out, shape, fast_axis) if isinstance(state, PowerSGDLeafState)
+               else out for out, state, shape in zip(outputs, states, shapes)]
+  return outputs, list(states)
 
 
 def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, residual_dtype,
@@ -173,7 +201,8 @@ def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, resi
   """``compressed_allreduce(compressor)`` for a compressor that needs a matrix (PowerSGD).
 
   Runs :func:`powersgd_allreduce` with the compressor's parameters, so the inter-host bytes
-  are the rank-r factors, ``2 (H-1)/H 4 r (m + n)`` per factorized leaf, not a flattened
+  are the rank-r factors, ``2 (H-1)/H 4 r (m + ceil(n / G))`` per factorized leaf (``P`` and
+  this device's rows of ``Q``), not a flattened
   shard sent dense. ``nonfinite='skip'`` wraps it in :func:`jaxcomm.skip_nonfinite` (one
   4-byte ``pmax``), ``'zero'`` zeroes non-finite entries first, ``'propagate'`` runs it as
   is; its residuals never take a non-finite value in any mode.
