@@ -50,7 +50,10 @@ def train(tx, steps, *, local=False, params=None, start=0, state=None):
   """
   loss_fn, initial, data, mesh = problem()
   if params is None:
-    params = to_device_local(initial, mesh) if local else initial
+    # On the mesh before the first step: a step handed arrays laid out otherwise than its
+    # outputs compiles a second time on the second step.
+    params = (to_device_local(initial, mesh) if local
+              else jax.device_put(initial, NamedSharding(mesh, P())))
   params_spec = P(AXES) if local else P()
   specs = jaxcomm.optim.state_specs(tx, params, mesh, params_spec)
   if state is None:

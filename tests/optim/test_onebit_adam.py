@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -27,6 +28,7 @@ def problem():
 
 def _train(problem, tx, steps, mesh):
   loss_fn, params, (inputs, labels) = problem
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # laid out as the step returns it
   state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
@@ -74,6 +76,7 @@ def _compressed_phase(problem, tx):
   """The collectives of ``tx``'s compressed phase alone, and the parameters' sizes."""
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   loss_fn, params, (inputs, labels) = problem
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # laid out as the step returns it
   state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
 
   @jax.jit

@@ -45,6 +45,10 @@ def data_parallel_step(loss_fn: Callable, tx: optax.GradientTransformation, mesh
   docs/reliability.md). Parameters are replicated; the batch is split over every mesh axis
   along its first dimension; ``tx`` does all communication (its first element is typically
   :func:`jaxcomm.compressed_allreduce`). The returned loss is the mean over devices.
+  Place the initial parameters as the step returns them
+  (``jax.device_put(params, NamedSharding(mesh, PartitionSpec()))``): parameters laid out
+  otherwise are accepted, but the second step, handed the first one's replicated output,
+  compiles the step again.
 
   Args:
     loss_fn: ``loss_fn(params, batch) -> scalar`` for one device's batch.
