@@ -443,5 +443,19 @@ def _sota_methods(period: int) -> list[Method]:
   ] + streaming
 
 
-for _method in _sota_methods(8):
+def _sparseloco_per_step() -> Method:
+  """The per-step SparseLoCo recipe that meets issue 12's per-step target at 3,000 steps on
+  the GPT (docs/results.md, "Period 1: cheaper positions"): every step, the largest of every
+  16 elements of the host's decayed error buffer, 1-bit values and 4-bit positions."""
+  kw = {"density": 1 / 16, "bits": 1, "block": 16, "beta": 0.99}
+  return Method(
+      "sparseloco-h1-b16", "SparseLoCo every step: AdamW per host (fp32 gradient mean inside "
+      "it), then the largest of every 16 elements of the error buffer (decay 0.99) with a "
+      "1-bit value and a 4-bit position, one scale per 4096, all-gathered across hosts",
+      lambda s: jaxcomm.sparseloco(optax.adamw(s.lr), 1, **kw),
+      _sparseloco_project(1, kw["density"], kw["bits"], 4096, kw["block"]),
+      make_step=jaxcomm.optim.local_training_step, device_local=True, comm_every=1)
+
+
+for _method in _sota_methods(8) + [_sparseloco_per_step()]:
   register(_method)
