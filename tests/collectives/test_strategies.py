@@ -12,6 +12,7 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -172,6 +173,7 @@ def test_training_with_two_phase_and_buckets_decreases_the_loss():
   mesh = jaxcomm.make_mesh(hosts=4, local=2)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign(), strategy="two_phase",
                                                 bucket_bytes=4096), optax.adam(3e-3))
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # as the step returns it
   state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   step = jaxcomm.optim.data_parallel_step(classification_loss(graphdef), tx, mesh, specs)
   losses = []

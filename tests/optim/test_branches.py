@@ -10,6 +10,7 @@ read the traced train step, so they check the selectors without running anything
 import jax
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -47,7 +48,8 @@ def branch_selectors(jaxpr):
 
 def traced_step(tx, local):
   loss_fn, params, data, mesh = problem()
-  params = optim.to_device_local(params, mesh) if local else params
+  params = (optim.to_device_local(params, mesh) if local
+            else jax.device_put(params, NamedSharding(mesh, P())))  # as the step returns it
   state, specs = jaxcomm.optim.sharded_init(tx, params, mesh, P(AXES) if local else P())
   make = optim.local_training_step if local else jaxcomm.optim.data_parallel_step
   return jax.make_jaxpr(make(loss_fn, tx, mesh, specs))(params, state, batch(data, 0)).jaxpr

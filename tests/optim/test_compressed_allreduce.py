@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -40,6 +41,7 @@ def test_training_loss_decreases_for_every_compressor(problem, name):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = optax.chain(jaxcomm.compressed_allreduce(compressor, feedback=feedback),
                    optax.adam(3e-3))
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # as the step returns it
   opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
@@ -73,6 +75,7 @@ def test_sharded_init_state_equals_plain_mean_of_devices_with_identity(problem):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.identity(), feedback=False),
                    optax.sgd(0.1))
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # as the step returns it
   opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   batch = (inputs[:128], labels[:128])

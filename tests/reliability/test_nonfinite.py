@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
@@ -120,6 +121,7 @@ def test_a_nan_batch_on_one_device_is_skipped_in_training():
   # Plain SGD: a zero mean gradient leaves the parameters exactly as they were (a momentum
   # method after the allreduce would still move them; see docs/reliability.md).
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.1)), optax.sgd(0.5))
+  params = jax.device_put(params, NamedSharding(mesh, P()))  # as the step returns it
   opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
   step = jaxcomm.optim.data_parallel_step(loss_fn, tx, mesh, specs)
   losses = []
