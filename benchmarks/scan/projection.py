@@ -14,6 +14,7 @@ from collections.abc import Iterable
 
 from jaxcomm import costmodel
 from jaxcomm.accounting import NO_COST, ring_cost
+from jaxcomm._src.collectives.powersgd import block_rows
 from jaxcomm._src.compress.powersgd import compression_rate, matrix_shape
 from jaxcomm.costmodel import Traffic
 
@@ -55,14 +56,14 @@ def powersgd(shapes: Iterable[Shape], hosts: int, local: int, rank: int,
     if len(shape) >= 2 and compression_rate(tuple(shape), rank) >= min_compression_rate:
       matrix = matrix_shape(tuple(shape))
       stacked[matrix] = stacked.get(matrix, 0) + 1
-      rows = 4 * local * math.ceil(matrix[1] / local) * matrix[0]
-      fast = (fast + ring_cost("reduce-scatter", rows / local, local)
-              + ring_cost("all-gather", rows, local))
+      padded_bytes = 4 * local * block_rows(matrix[1], local) * matrix[0]
+      fast = (fast + ring_cost("reduce-scatter", padded_bytes / local, local)
+              + ring_cost("all-gather", padded_bytes, local))
     else:
       fast = fast + ring_cost("all-reduce", 4 * math.prod(shape), local)
       messages.append(4 * math.prod(shape))
   for (rows, cols), count in stacked.items():
     fast = (fast + ring_cost("all-reduce", 4 * rank * rows * count, local)
             + ring_cost("all-reduce", 4 * (rank + 1) * count, local))
-    messages += [4 * rank * rows * count, 4 * rank * math.ceil(cols / local) * count]
+    messages += [4 * rank * rows * count, 4 * rank * block_rows(cols, local) * count]
   return Traffic(fast, sum((ring_cost("all-reduce", m, hosts) for m in messages), NO_COST))

@@ -47,14 +47,19 @@ def block_rows(rows: int, devices: int) -> int:
   return math.ceil(rows / devices)
 
 
+def pad_rows(rows: jax.Array, devices: int) -> jax.Array:
+  """``rows`` (``n x k``) with zero rows appended up to ``G c`` rows, ``G = devices`` (a copy
+  only where ``G`` does not divide ``n``)."""
+  padded = devices * block_rows(rows.shape[0], devices)
+  if padded == rows.shape[0]:
+    return rows
+  return jnp.pad(rows, ((0, padded - rows.shape[0]), (0, 0)))
+
+
 def row_block(leaf: jax.Array, fast_axis: str) -> jax.Array:
-  """This device's ``(c, m)`` block of ``psum(as_rows(leaf), fast_axis)``: one reduce-scatter,
-  rows padded with zeros to a multiple of ``G`` first (a copy only where ``G`` does not divide
-  ``n``)."""
-  rows = as_rows(leaf)
-  padding = jax.lax.axis_size(fast_axis) * block_rows(rows.shape[0], jax.lax.axis_size(fast_axis))
-  if padding > rows.shape[0]:
-    rows = jnp.pad(rows, ((0, padding - rows.shape[0]), (0, 0)))
+  """This device's ``(c, m)`` block of ``psum(as_rows(leaf), fast_axis)``: one reduce-scatter
+  of the rows padded by :func:`pad_rows`."""
+  rows = pad_rows(as_rows(leaf), jax.lax.axis_size(fast_axis))
   return jax.lax.psum_scatter(rows, fast_axis, scatter_dimension=0, tiled=True)
 
 

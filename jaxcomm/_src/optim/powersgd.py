@@ -11,7 +11,7 @@ import optax
 
 from jaxcomm._src.accounting import warmup
 from jaxcomm._src.collectives.powersgd import (PowerSGDLeafState, block_rows, gather_rows,
-                                               powersgd_reduce, row_block)
+                                               pad_rows, powersgd_reduce, row_block)
 from jaxcomm._src.compress.base import psum_payload
 from jaxcomm._src.compress.powersgd import (PowerSGDMethod, compression_rate, initial_q,
                                             matrix_shape)
@@ -174,8 +174,7 @@ def _init_state(params, rank: int, min_compression_rate: float, seed: int | jax.
       continue
     m, n = matrix_shape(tuple(leaf.shape))
     rows = block_rows(n, devices)
-    q = jnp.pad(initial_q(nth_key(seed, index), leaf.shape, rank),
-                ((0, rows * devices - n), (0, 0)))
+    q = pad_rows(initial_q(nth_key(seed, index), leaf.shape, rank), devices)
     q = jax.lax.dynamic_slice_in_dim(q, jax.lax.axis_index(fast_axis) * rows, rows)
     states.append(PowerSGDLeafState(
         q=vary(q, (fast_axis,)),
