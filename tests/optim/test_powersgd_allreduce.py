@@ -22,11 +22,13 @@ def _stepper(mesh, tx, params, steps):
   @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES), specs),
                      out_specs=(P(), specs))
   def run(grads, opt_state):
-    outputs = []
-    for _ in range(steps):
+    # A scan, not an unrolled loop: one copy of the collective whatever ``steps`` is.
+    def one_step(opt_state, _):
       update, opt_state = tx.update(jax.tree.map(lambda g: g[0], grads), opt_state)
-      outputs.append(update)
-    return jax.tree.map(lambda *u: jnp.stack(u), *outputs), opt_state
+      return opt_state, update
+
+    opt_state, updates = jax.lax.scan(one_step, opt_state, length=steps)
+    return updates, opt_state
 
   return run, state
 
