@@ -163,3 +163,15 @@ def test_pareto_front_keeps_the_points_no_other_point_beats_on_both():
   for index, (x, y) in enumerate(points):
     dominated = any(a <= x and b <= y and (a, b) != (x, y) for a, b in points)
     assert (index in figures.pareto_front(points)) == (not dominated)
+
+
+def test_per_step_front_leaves_out_the_periodic_methods():
+  """A periodic method with the fewest bytes and the lowest loss is the whole frontier; the
+  per-step frontier is the one among the others, and each entry carries its period."""
+  points = [(100.0, 2.0), (10.0, 2.2), (50.0, 2.1), (1.0, 1.9), (30.0, 2.3)]
+  periods = [1, 1, 1, 8, 1]
+  assert figures.pareto_front(points) == [3]
+  assert figures.per_step_front(points, periods) == [1, 2, 0]
+  rows = [_row("fp32", 0, 2.0, 700.0), {**_row("h8", 0, 2.1, 9.0), "comm_every": 8}]
+  table = {entry["method"]: entry for entry in figures.quality(rows)}
+  assert table["fp32"]["comm_every"] == 1 and table["h8"]["comm_every"] == 8

@@ -99,9 +99,11 @@ def quality(rows: list[dict]) -> list[dict]:
   ``ratio_vs_fp32`` and ``ratio_vs_fp32_hier`` (of those means), ``held_out_loss`` and
   ``held_out_std`` (mean and sample standard deviation over the seeds, 0 for one seed),
   ``held_out_gap_pct`` (the mean of the per-seed gaps to fp32 of the same seed) and
-  ``gap_range_pct`` (their ``(min, max)``). Failed runs are left out. A row needs only
-  ``model, mesh, hosts, method, steps, seed, held_out_loss, inter_host_bytes``, so runs read
-  back from an earlier ``results.json`` (``--include``) enter as they are.
+  ``gap_range_pct`` (their ``(min, max)``) and ``comm_every`` (1 for a method that
+  communicates every step, its period for one that synchronizes periodically). Failed runs
+  are left out. A row needs only ``model, mesh, hosts, method, steps, seed, held_out_loss,
+  inter_host_bytes`` (``comm_every`` defaults to 1), so runs read back from an earlier
+  ``results.json`` (``--include``) enter as they are.
   """
   groups: dict[tuple, list[dict]] = {}
   fp32 = {}
@@ -122,7 +124,8 @@ def quality(rows: list[dict]) -> list[dict]:
         "held_out_loss": float(np.mean(losses)),
         "held_out_std": float(np.std(losses, ddof=1)) if len(losses) > 1 else 0.0,
         "held_out_gap_pct": float(np.mean(gaps)) if gaps else None,
-        "gap_range_pct": (min(gaps), max(gaps)) if gaps else None})
+        "gap_range_pct": (min(gaps), max(gaps)) if gaps else None,
+        "comm_every": runs[0].get("comm_every", 1)})
   for entry in table:
     same = {e["method"]: e for e in table if (e["model"], e["mesh"]) == (entry["model"],
                                                                          entry["mesh"])}
@@ -144,6 +147,14 @@ def pareto_front(points: list[tuple[float, float]]) -> list[int]:
       front.append(index)
       best = points[index][1]
   return front
+
+
+def per_step_front(points: list[tuple[float, float]], comm_every: list[int]) -> list[int]:
+  """:func:`pareto_front` among the methods that communicate every step (``comm_every`` 1):
+  the frontier a run without local steps chooses from, which a periodic method that sends
+  the fewest bytes and reaches the lowest loss would otherwise reduce to one point."""
+  every_step = [i for i, period in enumerate(comm_every) if period == 1]
+  return [every_step[i] for i in pareto_front([points[i] for i in every_step])]
 
 
 def best_within(rows: list[dict], model: str, mesh: str, tolerance_pct: float) -> dict | None:
