@@ -53,7 +53,7 @@ GPT_DEFAULT_STEPS = 100
 LM_METHODS = ("fp32", "fp32-hier", "int8", "sign-ef", "topk-ef", "topk-ef-default",
               "powersgd-r1", "powersgd-r4", "onebit-adam", "sign-ef-updates", "demo", "diloco-h8",
               "sparseloco-h8", "streaming-diloco-h8-q4", "streaming-diloco-h8-q2",
-              "sparseloco-h1-b16")
+              "sparseloco-h1-b16", "sparseloco-h16")
 #: Its shortened form in the default and full profiles.
 LM_DEFAULT_METHODS = ("fp32", "fp32-hier", "topk-ef", "demo", "sparseloco-h8")
 #: The default profile's methods on the char LM: the references, one of each compressor family

@@ -18,7 +18,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PERIOD = 8
 STEPS = PERIOD  # every periodic method synchronizes once, on the last step
 # Periodic methods whose outer step sends its own compressed format (checked separately below)
-COMPRESSED_OUTER = ("sparseloco-h8", "streaming-diloco-h8-q4", "streaming-diloco-h8-q2")
+COMPRESSED_OUTER = ("sparseloco-h8", "sparseloco-h16", "streaming-diloco-h8-q4",
+                    "streaming-diloco-h8-q2")
 PERIODIC = [name for name, method in REGISTRY.items()
             if method.comm_every > 1 and method.device_local and name not in COMPRESSED_OUTER]
 
@@ -133,6 +134,10 @@ def test_compressed_outer_steps_and_demo_send_less_than_their_dense_counterparts
   assert rows["sparseloco-h8"] < rows["streaming-diloco-h8-q2"] < rows["streaming-diloco-h8-q4"] \
       < rows["streaming-diloco-h8"] < rows["fp32-hier"]
   assert rows["demo"] < rows["fp32-hier"] / 5
+  # the same outer exchange amortized over twice the period (the loss mean runs every step)
+  every_step = 2 * 7 / 8 * 4
+  assert rows["sparseloco-h16"] - every_step == pytest.approx(
+      (rows["sparseloco-h8"] - every_step) / 2, rel=1e-9)
 
 
 def test_include_grows_the_quality_table_without_rerunning(scan, tmp_path, capsys):
