@@ -6,18 +6,27 @@ prints:
 
 * ``ratio``: float32 bytes over the payload's bytes (counted from the payload's arrays);
 * ``rel.err``: ``||C(x) - x|| / ||x||`` for one call (fixed key);
-* ``GB/s``: float32 input bytes over the time of one jitted encode + decode (with the
-  payload materialized, and the new state, e.g. error feedback's residual, returned), the best of
-  ``--repeats`` runs (on a shared machine load only ever adds time), next to a plain copy of the same data (``copy``: ``-x``) on this backend;
+* ``GB/s``: float32 input bytes over the time of one encode and one decode, each a jitted call
+  (the payload materialized between them, and the new state, e.g. error feedback's residual,
+  returned), the best of ``--repeats`` runs (on a shared machine load only ever adds time),
+  next to a plain copy of the same data (``copy``: ``-x``) on this backend;
 * ``xcopy``: that throughput over the copy's, measured in the same run;
 * ``1G b/e``: break-even against a 1 Gbit/s link: the link time of the bytes the compressor
   removes, ``(4 d - wire_bytes) / 125 MB/s``, over its encode + decode time. Below 1 the
-  compressor costs more than it saves on such a link (``identity`` removes nothing: ``-``).
+  compressor costs more than it saves on such a link (``identity`` removes nothing: ``-``);
+* ``CPU ms``: the process CPU time (all threads) of the fastest of those calls, which a
+  loaded machine disturbs less than the wall time.
+
+With ``--tree LABEL=PATH`` every compressor is also built from the ``jaxcomm`` of another
+checkout (e.g. a ``git archive`` of an older commit) and printed as ``LABEL:name`` under this
+tree's row; the two versions' timed calls alternate, so load changes hit both alike and the
+before/after table comes from one command in one process.
 
 Compressors of any array get the input flattened to 1-D, as the engine hands them a flat
-shard (PowerSGD gets the matrix). Inputs and states are donated to the jitted call (a fresh copy is made, untimed, before every
-call), for the copy too: a gradient is dead once compressed, and without donation every
-16M-element call would pay for a fresh 64 MB output buffer (on this CPU backend such buffers
+shard (PowerSGD gets the matrix). Inputs and states are donated to the encode (a fresh copy
+is made, untimed, before every call), for the copy too: a gradient is dead once compressed;
+the decode writes into donated buffers of the input's size (a receiver's). Without donation
+every 16M-element call would pay for a fresh 64 MB output buffer (on this CPU backend such buffers
 are mapped and page-faulted anew each call, which makes a copy at 16M ten times slower than
 at 4M). ``shared_quantize`` and ``terngrad(shared_scale=True)`` run alone (one device: the scale
 they would agree on is their own).
@@ -29,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import re
+import sys
 import time
 import warnings
 
@@ -37,47 +48,65 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm.compress import (Compressor, adaptive_threshold, cast, compose, count_sketch,
-                              error_feedback, identity, natural, payload_nbytes, powersgd, qsgd,
-                              quantize, randomk, shared_quantize, sign, sign_vote, terngrad,
-                              threshold, topk)
+import jaxcomm.compress
+from jaxcomm.compress import Compressor, payload_nbytes
 
 LINK_BYTES_PER_SECOND = 125e6  # 1 Gbit/s
 
 
-def catalog() -> list[Compressor]:
-  """The compressors measured, with settings typical of the literature."""
-  biased = [quantize(8, stochastic=False), sign(), topk(0.01), topk(0.01, chunk=65536),
-            adaptive_threshold(0.01), powersgd(4)]
+def catalog(compress=jaxcomm.compress) -> list[Compressor]:
+  """The compressors measured, with settings typical of the literature, built from the
+  ``jaxcomm.compress`` module ``compress`` (this checkout's by default)."""
+  c = compress
+  biased = [c.quantize(8, stochastic=False), c.sign(), c.topk(0.01), c.topk(0.01, chunk=65536),
+            c.adaptive_threshold(0.01), c.powersgd(4)]
   return [
-      identity(),
-      cast(jnp.bfloat16),
-      cast(jnp.float16),
-      cast(jnp.float8_e4m3fn, scaled=True),
-      cast(jnp.float8_e5m2, scaled=True),
-      quantize(8),
-      quantize(4, chunk=4096),
-      quantize(2, stochastic=False, chunk=4096),
-      qsgd(15),
-      qsgd(15, bucket=512),
-      terngrad(),
-      natural(),
-      sign(),
-      sign_vote(),
-      topk(0.01),
-      topk(0.01, approximate=True),
-      topk(0.01, chunk=65536),
-      compose(topk(0.01), quantize(8)),
-      compose(topk(0.01, chunk=65536), quantize(4)),
-      randomk(0.01),
-      randomk(0.01, shared=False),
-      threshold(2.5, capacity=0.02),
-      adaptive_threshold(0.01),
-      powersgd(4),
-      count_sketch(1 << 14, 5, heavy=0.01),
-      shared_quantize(),
-      terngrad(shared_scale=True),
-  ] + [error_feedback(compressor) for compressor in biased]
+      c.identity(),
+      c.cast(jnp.bfloat16),
+      c.cast(jnp.float16),
+      c.cast(jnp.float8_e4m3fn, scaled=True),
+      c.cast(jnp.float8_e5m2, scaled=True),
+      c.quantize(8),
+      c.quantize(4, chunk=4096),
+      c.quantize(2, stochastic=False, chunk=4096),
+      c.qsgd(15),
+      c.qsgd(15, bucket=512),
+      c.terngrad(),
+      c.natural(),
+      c.sign(),
+      c.sign_vote(),
+      c.topk(0.01),
+      c.topk(0.01, approximate=True),
+      c.topk(0.01, chunk=65536),
+      c.compose(c.topk(0.01), c.quantize(8)),
+      c.compose(c.topk(0.01, chunk=65536), c.quantize(4)),
+      c.randomk(0.01),
+      c.randomk(0.01, shared=False),
+      c.threshold(2.5, capacity=0.02),
+      c.adaptive_threshold(0.01),
+      c.powersgd(4),
+      c.count_sketch(1 << 14, 5, heavy=0.01),
+      c.shared_quantize(),
+      c.terngrad(shared_scale=True),
+  ] + [c.error_feedback(compressor) for compressor in biased]
+
+
+def catalog_from_tree(path: str) -> list[Compressor]:
+  """:func:`catalog` built from the ``jaxcomm`` of the checkout at ``path``; this checkout's
+  modules are put back afterwards (the returned compressors keep the other's code)."""
+  ours = {name: module for name, module in sys.modules.items()
+          if name.split(".")[0] == "jaxcomm"}
+  for name in ours:
+    del sys.modules[name]
+  sys.path.insert(0, os.path.abspath(path))
+  try:
+    from jaxcomm import compress
+    return catalog(compress)
+  finally:
+    sys.path.pop(0)
+    for name in [name for name in sys.modules if name.split(".")[0] == "jaxcomm"]:
+      del sys.modules[name]
+    sys.modules.update(ours)
 
 
 def mlp_gradients(hidden: int, seed: int = 0) -> dict:
@@ -109,54 +138,74 @@ def fresh(tree):
   return jax.block_until_ready(jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), tree))
 
 
-def time_call(function, argument, repeats: int) -> float:
-  """Best wall time of ``function(argument)`` on a fresh copy of ``argument`` each time,
-  after one warm-up (compilation) call; the copies are made outside the timed region."""
-  jax.block_until_ready(function(fresh(argument)))
-  times = []
+def time_calls(calls, repeats: int) -> list[tuple[float, float]]:
+  """Best wall and best process CPU seconds of each ``function(argument)`` in ``calls``, on a
+  fresh copy of ``argument`` each time, after one warm-up (compilation) call each. The calls
+  take turns within every repeat, and the copies are made outside the timed region."""
+  for function, argument in calls:
+    jax.block_until_ready(function(fresh(argument)))
+  wall, cpu = [[] for _ in calls], [[] for _ in calls]
   for _ in range(repeats):
-    copy = fresh(argument)
-    start = time.perf_counter()
-    jax.block_until_ready(function(copy))
-    times.append(time.perf_counter() - start)
-  return min(times)
+    for index, (function, argument) in enumerate(calls):
+      copy = fresh(argument)
+      start, cpu_start = time.perf_counter(), time.process_time()
+      jax.block_until_ready(function(copy))
+      wall[index].append(time.perf_counter() - start)
+      cpu[index].append(time.process_time() - cpu_start)
+  return [(min(seconds), min(cpu_seconds)) for seconds, cpu_seconds in zip(wall, cpu)]
 
 
-def measure(compressor: Compressor, leaves: list[jax.Array], repeats: int) -> tuple[float, ...]:
-  """(ratio, relative error, seconds, bytes removed) of one encode + decode of every leaf.
+def roundtrip(compressor: Compressor, leaves: list[jax.Array]):
+  """``(function, argument)``: one encode and one decode of every leaf, and their argument.
 
   A compressor of any array gets each leaf flattened to 1-D (untimed), as the engine hands it
   a flat shard; only a matrix method (PowerSGD) gets the matrix. On a 2-D leaf XLA's CPU
   backend cannot write the decoded tensor into the donated input's buffer through the
   reshapes to and from the 1-D payload, and adds a 64 MB temporary and a copy at 16M.
+
+  Encode and decode are two jitted calls, so the payloads are materialized between them, as
+  on the wire (in one call XLA's CPU backend drops an ``optimization_barrier`` and fuses the
+  two). The decoded tensors are written into buffers of the argument that hold nothing (a
+  receiver's gradient buffers), and the new states (error feedback's residuals) are returned:
+  no work is dead, and a no-op's decode may return its donated payload.
   """
   if not compressor.needs_matrix:
     leaves = [leaf.reshape(-1) for leaf in leaves]
-
   # States are arguments, not constants made inside jit: XLA would otherwise constant-fold
   # work that depends only on them (e.g. hashing from a fixed key) into the compile time.
   states = [compressor.init(leaf.shape, leaf.dtype) for leaf in leaves]
+  encode = jax.jit(lambda leaves_and_states: encode_all(compressor, leaves_and_states),
+                   donate_argnums=0)
 
-  def encode_all(leaves_and_states):
-    keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
-    return [compressor.encode(leaf, state, key)
-            for (leaf, state), key in zip(zip(*leaves_and_states), keys)]
+  @functools.partial(jax.jit, donate_argnums=(0, 1), keep_unused=True)
+  def decode(payloads, receivers):
+    del receivers  # donated: the decoded tensors may be written into them
+    return [compressor.decode(payload, leaf.shape) for payload, leaf in zip(payloads, leaves)]
 
-  @functools.partial(jax.jit, donate_argnums=0)
-  def roundtrip(leaves_and_states):
-    # The payloads are materialized (the barrier keeps XLA from fusing encode into decode, as
-    # the wire does); the decoded tensors and the new states (error feedback's residuals) are
-    # the outputs, so no work is dead and a no-op's output may reuse its donated input.
-    payloads, states = zip(*jax.lax.optimization_barrier(encode_all(leaves_and_states)))
-    return [(compressor.decode(payload, leaf.shape), state)
-            for payload, state, leaf in zip(payloads, states, leaves)]
+  def function(argument):
+    leaves_and_states, receivers = argument
+    payloads, states = zip(*encode(leaves_and_states))
+    return decode(list(payloads), receivers), states
+
+  return function, ((leaves, states), leaves)
+
+
+def encode_all(compressor: Compressor, leaves_and_states) -> list:
+  leaves, states = leaves_and_states
+  keys = jax.random.split(jax.random.PRNGKey(0), len(leaves))
+  return [compressor.encode(leaf, state, key) for leaf, state, key in zip(leaves, states, keys)]
+
+
+def accuracy(compressor: Compressor, function_and_argument) -> tuple[float, float, int]:
+  """(ratio, relative error, bytes removed) of one encode + decode of a :func:`roundtrip`'s
+  argument, with the payload's bytes checked against ``wire_bytes``."""
+  (leaves, states), _ = function_and_argument[1]
 
   @jax.jit
   def payloads_and_decoded(leaves_and_states):
     return [(payload, compressor.decode(payload, leaf.shape))
-            for (payload, _), leaf in zip(encode_all(leaves_and_states), leaves)]
+            for (payload, _), leaf in zip(encode_all(compressor, leaves_and_states), leaves)]
 
-  seconds = time_call(roundtrip, (leaves, states), repeats)
   out = payloads_and_decoded((leaves, states))
   sent = sum(payload_nbytes(payload) for payload, _ in out)
   expected = sum(compressor.wire_bytes(leaf.shape, leaf.dtype) for leaf in leaves)
@@ -164,14 +213,15 @@ def measure(compressor: Compressor, leaves: list[jax.Array], repeats: int) -> tu
   dense = sum(4 * leaf.size for leaf in leaves)
   error = sum(float(jnp.sum(jnp.square(decoded - leaf))) for (_, decoded), leaf in zip(out, leaves))
   norm = sum(float(jnp.sum(jnp.square(leaf))) for leaf in leaves)
-  return dense / sent, float(np.sqrt(error / norm)), seconds, dense - sent
+  return dense / sent, float(np.sqrt(error / norm)), dense - sent
 
 
-def cells(ratio: float, error: float, seconds: float, removed: int, dense: int,
-          copy_rate: float) -> str:
+def cells(ratio: float, error: float, removed: int, seconds: float, cpu_seconds: float,
+          dense: int, copy_rate: float) -> str:
   rate = dense / seconds / 1e9
   breakeven = f"{removed / LINK_BYTES_PER_SECOND / seconds:8.1f}" if removed > 0 else f"{'-':>8s}"
-  return f"| {ratio:7.2f} {error:8.4f} {rate:8.3f} {rate / copy_rate:6.2f} {breakeven} "
+  return (f"| {ratio:7.2f} {error:8.4f} {rate:8.3f} {rate / copy_rate:6.2f} {breakeven} "
+          f"{1e3 * cpu_seconds:8.1f} ")
 
 
 def main() -> None:
@@ -188,7 +238,14 @@ def main() -> None:
                            "reported (default 3)")
   parser.add_argument("--only", default="",
                       help="regular expression: measure only compressors whose name matches")
+  parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
+                      help="also measure every compressor as built from the checkout at PATH, "
+                           "in turn with this checkout's")
   args = parser.parse_args()
+  args.tree = [tree.split("=", 1) for tree in args.tree]
+  if any(len(tree) != 2 or not os.path.isdir(os.path.join(tree[1], "jaxcomm"))
+         for tree in args.tree):
+    parser.error(f"--tree must be LABEL=PATH of a checkout holding jaxcomm/, got {args.tree}")
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
   inputs = {}
@@ -199,29 +256,36 @@ def main() -> None:
   if args.mlp_hidden:
     inputs[f"MLP-{args.mlp_hidden}"] = jax.tree.leaves(mlp_gradients(args.mlp_hidden))
 
+  trees = [{compressor.name: compressor for compressor in catalog_from_tree(path)}
+           for _, path in args.tree]
+  width = 48 + max([len(label) + 1 for label, _ in args.tree], default=0)
   print(f"backend: {jax.default_backend()}, {jax.device_count()} device(s), jax {jax.__version__}")
-  header = f"{'compressor':48s}" + "".join(f"| {label:>41s} " for label in inputs)
-  print(header)
-  print(f"{'':48s}" + "".join(f"| {'ratio':>7s} {'rel.err':>8s} {'GB/s':>8s} {'xcopy':>6s} "
-                              f"{'1G b/e':>8s} " for _ in inputs))
+  print(f"{'compressor':{width}s}" + "".join(f"| {label:>50s} " for label in inputs))
+  print(f"{'':{width}s}" + "".join(f"| {'ratio':>7s} {'rel.err':>8s} {'GB/s':>8s} {'xcopy':>6s} "
+                                   f"{'1G b/e':>8s} {'CPU ms':>8s} " for _ in inputs))
   copy = jax.jit(lambda leaves: [-leaf for leaf in leaves], donate_argnums=0)
   copy_rates = {}
-  row = f"{'copy (baseline)':48s}"
+  row = f"{'copy (baseline)':{width}s}"
   for label, leaves in inputs.items():
-    seconds = time_call(copy, leaves, args.repeats)
+    [(seconds, cpu_seconds)] = time_calls([(copy, leaves)], args.repeats)
     dense = sum(4 * leaf.size for leaf in leaves)
     copy_rates[label] = dense / seconds / 1e9
-    row += cells(1.0, 0.0, seconds, 0, dense, copy_rates[label])
+    row += cells(1.0, 0.0, 0, seconds, cpu_seconds, dense, copy_rates[label])
   print(row, flush=True)
   for compressor in catalog():
     if args.only and not re.search(args.only, compressor.name):
       continue
-    row = f"{compressor.name:48s}"
+    versions = {compressor.name: compressor}
+    versions.update({f"{label}:{compressor.name}": tree[compressor.name]
+                     for (label, _), tree in zip(args.tree, trees) if compressor.name in tree})
+    rows = {name: f"{name:{width}s}" for name in versions}
     for label, leaves in inputs.items():
-      ratio, error, seconds, removed = measure(compressor, leaves, args.repeats)
+      calls = [roundtrip(version, leaves) for version in versions.values()]
       dense = sum(4 * leaf.size for leaf in leaves)
-      row += cells(ratio, error, seconds, removed, dense, copy_rates[label])
-    print(row, flush=True)
+      for name, version, call, timed in zip(versions, versions.values(), calls,
+                                            time_calls(calls, args.repeats)):
+        rows[name] += cells(*accuracy(version, call), *timed, dense, copy_rates[label])
+    print("\n".join(rows.values()), flush=True)
 
 
 if __name__ == "__main__":

@@ -11,9 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, threshold, topk,
-                              unpack_bits)
-from jaxcomm._src.compress.hashing import hash_bits, hash_uniform, stochastic_round
+from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, quantize, terngrad,
+                              threshold, topk, unpack_bits)
+from jaxcomm._src.compress import chunks
+from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
+from jaxcomm._src.compress.quantize import grid_points
+from jaxcomm._src.compress.packing import pack_elementwise
 from jaxcomm._src.compress.randomk import random_indices
 from jaxcomm._src.compress.select import (MIN_FAST_SIZE, TOP_K_MAX, compact, kth_largest_bits,
                                           largest_k)
@@ -162,11 +165,67 @@ def test_adaptive_threshold_density_on_the_fast_path():
   assert 200 < int(payload.count[0]) < 500, int(payload.count[0])
 
 
-@pytest.mark.parametrize("bits", [3, 5, 6, 7])
-def test_odd_width_packing_matches_the_bit_stream(bits):
+@pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_packing_matches_the_bit_stream(bits):
   codes = np.random.default_rng(bits).integers(0, 1 << bits, 37)
   stream = np.array([(code >> bit) & 1 for code in codes for bit in range(bits)], np.uint8)
   expected = np.packbits(stream, bitorder="little")
   packed = pack_bits(jnp.asarray(codes), bits)
   np.testing.assert_array_equal(packed, expected)
   np.testing.assert_array_equal(unpack_bits(packed, bits, len(codes)), codes)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("size", [1, 37, 64])
+def test_pack_elementwise_packs_the_codes_of_every_element(bits, size):
+  operand = jnp.arange(size, dtype=jnp.float32) * 3.7
+
+  def codes_at(index, values):
+    # Depends on the element's number and value, and is nonzero on the padding.
+    return (bits_at(KEY, index) ^ values.astype(jnp.uint32)) % (1 << bits)
+
+  by_lanes = jax.jit(lambda operand: pack_elementwise(codes_at, (operand,), bits))(operand)
+  plain = pack_bits(codes_at(jax.lax.iota(jnp.uint32, size), operand), bits)
+  np.testing.assert_array_equal(by_lanes, plain)
+
+
+@pytest.mark.parametrize("bits, stochastic, chunk", [(8, True, None), (4, True, 64),
+                                                     (2, False, 64), (3, True, 100),
+                                                     (1, True, None)])
+def test_quantize_sends_the_bytes_of_the_plain_formula(bits, stochastic, chunk):
+  """Packing by lanes and the per-chunk max by min/max: the bytes of the direct formula (codes
+  computed over the whole array, then packed), signed zeros and an all-zero chunk included."""
+  size = 1003
+  x = jax.random.normal(KEY, (size,)).at[:100].set(-0.0).at[100:110].set(0.0)
+  intervals = grid_points(bits) - 1
+  key = jax.random.PRNGKey(11)
+
+  @jax.jit
+  def plain(x):
+    scales = jnp.max(chunks.to_chunks(jnp.abs(x), chunk), axis=1)
+    offset = chunks.per_element(scales, size, chunk)
+    step = chunks.per_element(2.0 * scales / intervals, size, chunk)
+    position = jnp.where(step > 0, (x + offset) / jnp.where(step > 0, step, 1.0), 0.0)
+    rounded = stochastic_round(position, key) if stochastic else jnp.round(position)
+    return pack_bits(jnp.clip(rounded, 0, intervals).astype(jnp.uint8), bits), scales
+
+  payload, _ = jax.jit(quantize(bits, stochastic=stochastic, chunk=chunk).encode)(x, (), key)
+  codes, scales = plain(x)
+  np.testing.assert_array_equal(payload.codes, codes)
+  np.testing.assert_array_equal(np.asarray(payload.scales).view(np.uint32),
+                                np.asarray(scales).view(np.uint32))
+
+
+def test_terngrad_sends_the_bytes_of_the_plain_formula():
+  size = 1001
+  x = jax.random.normal(KEY, (size,)).at[:10].set(-0.0)
+  key = jax.random.PRNGKey(12)
+
+  @jax.jit
+  def plain(x):
+    scaler = jnp.max(jnp.abs(x), initial=0.0)
+    keep = hash_uniform(key, x.shape) * scaler < jnp.abs(x)
+    return pack_bits(jnp.where(keep, jnp.where(x < 0, 2, 1), 0), 2)
+
+  payload, _ = jax.jit(terngrad().encode)(x, (), key)
+  np.testing.assert_array_equal(payload.codes, plain(x))

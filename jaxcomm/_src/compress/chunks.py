@@ -24,6 +24,21 @@ def to_chunks(flat: jax.Array, chunk: int | None) -> jax.Array:
   return jnp.pad(flat, (0, count * width - size)).reshape(count, width)
 
 
+def max_abs(flat: jax.Array, chunk: int | None) -> jax.Array:
+  """``max |x|`` of each chunk of ``flat`` (shape ``(d,)``), float32 of shape ``(chunks,)``.
+
+  Per chunk it is ``|max(max x, -min x)|``: XLA's CPU backend reduces the rows of an array
+  at memory speed, but for ``max |x|`` row by row it first writes ``|x|`` to a temporary (at
+  16M float32 elements in chunks of 4096: 36 ms of CPU time, against 4 ms). The outer ``abs``
+  makes a chunk of signed zeros +0.0, as ``max |x|`` is; a NaN still propagates. One chunk
+  is one reduction of ``|x|``, which XLA fuses (two reductions would read ``x`` twice).
+  """
+  if chunk_count(flat.shape[0], chunk) == 1:
+    return jnp.max(jnp.abs(flat), initial=0.0).reshape(1)
+  rows = to_chunks(flat, chunk)
+  return jnp.abs(jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1)))
+
+
 def chunk_sizes(size: int, chunk: int | None) -> jax.Array:
   """Real (unpadded) element count of each chunk, as float32 of shape ``(chunks,)``."""
   count, width = chunk_count(size, chunk), chunk_width(size, chunk)

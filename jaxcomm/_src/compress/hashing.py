@@ -48,27 +48,39 @@ def hash_bits(key: jax.Array, shape: tuple[int, ...], offset: int | jax.Array = 
               ) -> jax.Array:
   """32 random bits per element: uint32 of ``shape``, element ``i`` (row-major) from index
   ``i + offset`` (modulo 2^32; ``offset`` may be traced) and the key's words."""
-  k0, k1 = key_words(key)
   count = 1
   for dim in shape:
     count *= dim
   index = jax.lax.iota(jnp.uint32, count) + jnp.asarray(offset).astype(jnp.uint32)
-  return mix32(mix32(index ^ k0) + k1).reshape(shape)
+  return bits_at(key, index).reshape(shape)
 
 
-def hash_uniform(key: jax.Array, shape: tuple[int, ...]) -> jax.Array:
-  """float32 uniforms on ``[0, 1)`` in steps of ``2^-24`` (the top 24 bits of :func:`hash_bits`)."""
-  bits = hash_bits(key, shape) >> (32 - UNIFORM_BITS)
-  return bits.astype(jnp.float32) * jnp.float32(2.0**-UNIFORM_BITS)
+def bits_at(key: jax.Array, index: jax.Array) -> jax.Array:
+  """32 random bits for each element number in ``index`` (uint32, any shape): bit ``i`` of a
+  call, whatever positions of it are drawn, so a strided slice of the elements can hash its own."""
+  k0, k1 = key_words(key)
+  return mix32(mix32(index ^ k0) + k1)
 
 
-def bernoulli(key: jax.Array, probability: jax.Array) -> jax.Array:
+def hash_uniform(key: jax.Array, shape: tuple[int, ...], *, index: jax.Array | None = None
+                 ) -> jax.Array:
+  """float32 uniforms on ``[0, 1)`` in steps of ``2^-24`` (the top 24 bits of :func:`hash_bits`);
+  with ``index`` (uint32 of ``shape``), those of the element numbers it lists."""
+  words = hash_bits(key, shape) if index is None else bits_at(key, index)
+  return (words >> (32 - UNIFORM_BITS)).astype(jnp.float32) * jnp.float32(2.0**-UNIFORM_BITS)
+
+
+def bernoulli(key: jax.Array, probability: jax.Array, *, index: jax.Array | None = None
+              ) -> jax.Array:
   """bool of ``probability``'s shape: ``True`` with probability ``probability`` (clipped to
-  ``[0, 1]``), exactly ``ceil(2^24 p) / 2^24``, i.e. within ``2^-24`` above ``p``."""
-  return hash_uniform(key, probability.shape) < probability
+  ``[0, 1]``), exactly ``ceil(2^24 p) / 2^24``, i.e. within ``2^-24`` above ``p``. ``index``:
+  the elements' numbers, as in :func:`hash_uniform`."""
+  return hash_uniform(key, probability.shape, index=index) < probability
 
 
-def stochastic_round(values: jax.Array, key: jax.Array) -> jax.Array:
-  """``floor(v) + Bernoulli(v - floor(v))``: unbiased up to ``2^-24`` per element."""
+def stochastic_round(values: jax.Array, key: jax.Array, *, index: jax.Array | None = None
+                     ) -> jax.Array:
+  """``floor(v) + Bernoulli(v - floor(v))``: unbiased up to ``2^-24`` per element. ``index``:
+  the elements' numbers, as in :func:`hash_uniform`."""
   floor = jnp.floor(values)
-  return floor + bernoulli(key, values - floor)
+  return floor + bernoulli(key, values - floor, index=index)

@@ -7,6 +7,8 @@ boundaries. Within a byte, earlier codes take the lower bits (little-endian bit 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import jax
 import jax.numpy as jnp
 
@@ -21,11 +23,11 @@ def packed_nbytes(count: int, bits: int) -> int:
 def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
   """Packs a 1-D array of codes in ``[0, 2**bits)`` into a uint8 array.
 
-  Widths that divide 8 put ``8 / bits`` codes in each byte (an OR over a short axis). For the
-  others, eight codes fill exactly ``bits`` bytes, so the codes are taken in groups of 8 (the
-  last group zero-padded) and each of the group's bytes is an OR of the few codes that overlap
-  it, shifted by static amounts: elementwise work that XLA fuses into one loop (ten times
-  faster than expanding every code into single bits).
+  Widths that divide 8 put ``8 / bits`` codes in each byte. For the others, eight codes fill
+  exactly ``bits`` bytes, so the codes are taken in groups of 8 (the last group zero-padded)
+  and each of the group's bytes is an OR of the few codes that overlap it, shifted by static
+  amounts: elementwise work that XLA fuses into one loop (ten times faster than expanding
+  every code into single bits). See :func:`pack_elementwise` for codes still to be computed.
 
   Args:
     codes: shape ``(n,)``, any unsigned or signed integer dtype holding values < ``2**bits``.
@@ -34,22 +36,59 @@ def pack_bits(codes: jax.Array, bits: int) -> jax.Array:
   Returns:
     uint8 array of shape ``(ceil(n * bits / 8),)``.
   """
+  return pack_elementwise(lambda index, codes: codes, (codes,), bits)
+
+
+def pack_elementwise(codes_at: Callable[..., jax.Array], operands: Sequence[jax.Array],
+                     bits: int) -> jax.Array:
+  """``pack_bits(codes_at(index, *operands), bits)``, computing the codes byte lane by lane.
+
+  The codes of an encoder are an elementwise expression of its input (a division, a hash);
+  fused into a packing loop that reads each byte's codes from neighbouring elements, that
+  expression is not vectorized by XLA's CPU backend, and computed once for strided slices to
+  read, it is materialized (a 64 MiB temporary at 16M float32 elements). Here ``codes_at`` is
+  applied to strided slices of the operands instead, one slice per position of a code in its
+  byte (per position in a group of 8 for widths that do not divide 8), and the slices' codes
+  are shifted into place: one vectorized loop over the bytes. At 16M elements, encode +
+  decode in CPU time: 4-bit stochastic quantization 101 -> 24 ms, TernGrad 48 -> 19 ms.
+
+  Args:
+    codes_at: elementwise function of ``index`` (uint32: the elements' numbers, for hashing)
+      and the operands' values at those elements, returning codes in ``[0, 2**bits)``.
+    operands: 1-D arrays of one shape ``(n,)``.
+    bits: code width, 1 to 8.
+
+  Returns:
+    uint8 array of shape ``(ceil(n * bits / 8),)``, the bytes :func:`pack_bits` makes of the
+    codes.
+  """
   bits = check_int_range("bits", bits, 1, 8)
-  count = codes.shape[0]
-  if bits == 8:
-    return codes.astype(jnp.uint8)
+  count = operands[0].shape[0]
+  lanes = 1 if bits == 8 else 8 // bits if 8 % bits == 0 else 8
+  padded = -(-count // lanes) * lanes
+  index = jax.lax.iota(jnp.uint32, padded)
+  operands = [jnp.pad(operand, (0, padded - count)) for operand in operands]
+  code_type = jnp.uint8 if 8 % bits == 0 else jnp.uint16
+
+  def lane_codes(lane: int) -> jax.Array:
+    lane_index = index[lane::lanes]
+    codes = codes_at(lane_index, *(operand[lane::lanes] for operand in operands))
+    codes = codes.astype(code_type)
+    # Padding elements pack as zero codes whatever codes_at makes of them.
+    return codes if padded == count else jnp.where(lane_index < count, codes, 0)
+
   if 8 % bits == 0:
-    per_byte = 8 // bits
-    padded = jnp.pad(codes.astype(jnp.uint8), (0, (-count) % per_byte)).reshape(-1, per_byte)
-    shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
-    return jnp.bitwise_or.reduce(padded << shifts, axis=1).astype(jnp.uint8)
-  groups = jnp.pad(codes.astype(jnp.uint16), (0, (-count) % 8)).reshape(-1, 8)
+    packed = lane_codes(0)
+    for lane in range(1, lanes):
+      packed = packed | (lane_codes(lane) << (bits * lane))
+    return packed
+  codes = [lane_codes(lane) for lane in range(8)]
   columns = []
   for byte in range(bits):
-    column = jnp.zeros(groups.shape[:1], jnp.uint16)
-    for index in _overlapping_codes(byte, bits):
-      shift = bits * index - 8 * byte
-      code = groups[:, index]
+    column = jnp.zeros(padded // 8, jnp.uint16)
+    for position in _overlapping_codes(byte, bits):
+      shift = bits * position - 8 * byte
+      code = codes[position]
       column = column | (code << shift if shift >= 0 else code >> -shift)
     columns.append(column & 0xFF)
   packed = jnp.stack(columns, axis=1).astype(jnp.uint8).reshape(-1)

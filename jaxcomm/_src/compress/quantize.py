@@ -11,7 +11,7 @@ from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.base import Compressor, axis_context, num_elements, stateless_init
 from jaxcomm._src.validation import check_int_range
 from jaxcomm._src.compress.hashing import stochastic_round
-from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from jaxcomm._src.compress.packing import pack_elementwise, packed_nbytes, unpack_bits
 
 
 class QuantizedPayload(NamedTuple):
@@ -62,25 +62,30 @@ def quantize(bits: int = 8, *, stochastic: bool = True, chunk: int | None = None
     chunk = check_int_range("chunk", chunk, 1)
   intervals = grid_points(bits) - 1
 
-  def step_per_element(scales: jax.Array, size: int) -> jax.Array:
-    return chunks.per_element(2.0 * scales / intervals, size, chunk)
+  def grid_step(scales: jax.Array) -> jax.Array:
+    return 2.0 * scales / intervals
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    size = flat.shape[0]
-    scales = jnp.max(chunks.to_chunks(jnp.abs(flat), chunk), axis=1)
-    offset = chunks.per_element(scales, size, chunk)
-    step = step_per_element(scales, size)
-    position = jnp.where(step > 0, (flat + offset) / jnp.where(step > 0, step, 1.0), 0.0)
-    rounded = stochastic_round(position, key) if stochastic else jnp.round(position)
-    codes = jnp.clip(rounded, 0, intervals)
-    return QuantizedPayload(pack_bits(codes, bits), scales), state
+    scales = chunks.max_abs(flat, chunk)
+
+    # Per element, from the element's scale: a second broadcast operand (the step) makes XLA
+    # split the packing loop (60 against 17 ms of CPU at 16M elements, 4 bits).
+    def codes_at(index, flat, scale):
+      step = grid_step(scale)
+      position = jnp.where(step > 0, (flat + scale) / jnp.where(step > 0, step, 1.0), 0.0)
+      rounded = stochastic_round(position, key, index=index) if stochastic else jnp.round(position)
+      return jnp.clip(rounded, 0, intervals)
+
+    offsets = chunks.per_element(scales, flat.shape[0], chunk)
+    return QuantizedPayload(pack_elementwise(codes_at, (flat, offsets), bits), scales), state
 
   def decode(payload: QuantizedPayload, shape) -> jax.Array:
     size = num_elements(shape)
     codes = unpack_bits(payload.codes, bits, size).astype(jnp.float32)
     offset = chunks.per_element(payload.scales, size, chunk)
-    return (codes * step_per_element(payload.scales, size) - offset).reshape(shape)
+    step = chunks.per_element(grid_step(payload.scales), size, chunk)
+    return (codes * step - offset).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jaxcomm._src.compress.base import Compressor, axis_context, num_elements, stateless_init
 from jaxcomm._src.validation import check_bool
 from jaxcomm._src.compress.hashing import hash_uniform
-from jaxcomm._src.compress.packing import pack_bits, packed_nbytes, unpack_bits
+from jaxcomm._src.compress.packing import pack_elementwise, packed_nbytes, unpack_bits
 
 
 class TernGradPayload(NamedTuple):
@@ -56,13 +56,15 @@ def terngrad(*, shared_scale: bool = False) -> Compressor:
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    magnitude = jnp.abs(flat)
-    scaler = jnp.max(magnitude, initial=0.0)
+    scaler = jnp.max(jnp.abs(flat), initial=0.0)
     if shared_scale:
       scaler = axis_context().agree_max(scaler)
-    keep = hash_uniform(key, flat.shape) * scaler < magnitude
-    codes = jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
-    return TernGradPayload(pack_bits(codes, 2), scaler.reshape(1)), state
+
+    def codes_at(index, flat):
+      keep = hash_uniform(key, flat.shape, index=index) * scaler < jnp.abs(flat)
+      return jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
+
+    return TernGradPayload(pack_elementwise(codes_at, (flat,), 2), scaler.reshape(1)), state
 
   def decode(payload: TernGradPayload, shape) -> jax.Array:
     codes = unpack_bits(payload.codes, 2, num_elements(shape))
