@@ -207,7 +207,7 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
 
 
 def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
-                    keys: list[jax.Array], skip: jax.Array | None, propagate: bool):
+                    keys: list[jax.Array]):
   """``(means, new level states, new estimates)`` of every bucket, in one engine call
   (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
   buckets' payloads in one collective).
@@ -216,30 +216,17 @@ def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates
   devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
   the estimate's shard, and the mean is that new shard gathered back (in float32, then cast):
   the same values as gathering the change and adding the whole estimate, without a pass over
-  a full-size copy. The new shard is kept (:func:`_kept_estimate`) before it is gathered, so
-  the state and the mean are one array: one pass over the shard instead of two (a sum to
-  gather and a select to keep). Only ``propagate`` gathers the unkept sum, whose non-finite
-  entries it must pass on.
+  a full-size copy.
   """
   estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
   inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
   shards, level_states = reduce_shards(inputs, topologies, level_states, keys)
-  summed = [estimate + shard if e else shard
-            for estimate, shard, e in zip(estimates, shards, estimated)]
-  kept = [_kept_estimate(total, estimate, skip) if e else estimate
-          for total, estimate, e in zip(summed, estimates, estimated)]
-  gathered = [total if propagate or not e else estimate
-              for total, estimate, e in zip(summed, kept, estimated)]
-  means = [gather_back(shard, x32, levels).astype(x.dtype)
-           for x, x32, shard, levels in zip(packed, inputs, gathered, topologies)]
-  return means, level_states, kept
-
-
-def _kept_estimate(new: jax.Array, old: jax.Array, skip: jax.Array | None) -> jax.Array:
-  """The estimate shard a step leaves: ``new`` where finite, else ``old``; ``old`` everywhere
-  on a skipped step."""
-  kept = keep_finite(new, old)
-  return kept if skip is None else jnp.where(skip, old, kept)
+  estimates = [estimate + shard if e else estimate
+               for estimate, shard, e in zip(estimates, shards, estimated)]
+  means = [gather_back(estimate if e else shard, x32, levels).astype(x.dtype)
+           for x, x32, estimate, shard, levels, e
+           in zip(packed, inputs, estimates, shards, topologies, estimated)]
+  return means, level_states, estimates
 
 
 def compressed_allreduce(
@@ -284,15 +271,13 @@ def compressed_allreduce(
       every device keeps an estimate of its shard and sends the compressed change of it;
       every device keeps its shard of the mean of the estimates (float32, ``1/G`` of the
       gradient) and returns the mean, so nothing unsent is released late in a burst, which a
-      momentum after the mean amplifies into divergence (docs/quality.md). The mean returned
-      is the estimate as kept (an entry whose new value would not be finite keeps its
-      previous one), except with ``nonfinite='propagate'``, which returns such entries.
-      ``'residual'``: classic error feedback, the unsent rest added to the next input (with
-      ``two_phase``, worker and server residuals). ``'bounded'``: classic residuals whose norm
-      is capped at :data:`RESIDUAL_BOUND` times this step's input's (per device and bucket;
-      the excess is dropped: :func:`jaxcomm.compress.error_feedback` ``bound``), so no stale
-      mass many times the current gradient is released into the momentum after the mean
-      (docs/quality.md, section 9). ``'none'`` (``False``): nothing is carried over.
+      momentum after the mean amplifies into divergence (docs/quality.md). ``'residual'``:
+      classic error feedback, the unsent rest added to the next input (with ``two_phase``,
+      worker and server residuals). ``'bounded'``: classic residuals whose norm is capped at
+      :data:`RESIDUAL_BOUND` times this step's input's (per device and bucket; the excess is
+      dropped: :func:`jaxcomm.compress.error_feedback` ``bound``), so no stale mass many times
+      the current gradient is released into the momentum after the mean (docs/quality.md,
+      section 9). ``'none'`` (``False``): nothing is carried over.
       ``True`` (default): per compressor, ``'estimate'`` for a biased one whose
       :func:`contraction` is at least :data:`ESTIMATE_MIN_CONTRACTION` (sign), ``'bounded'``
       for a biased one below it (sparsifiers such as top-k, whose estimates would go stale),
@@ -379,14 +364,12 @@ def compressed_allreduce(
     leaves, treedef = jax.tree.flatten(grads)
     if nonfinite == "zero":
       leaves = zero_nonfinite(leaves)
-    skip = any_nonfinite(leaves, axes) if nonfinite == "skip" else None
     buckets = plan(grads)
     bucket_means, new_states, estimates = _reduce_buckets(
         [bucketing.pack(leaves, bucket) for bucket in buckets],
         [topologies[bucket.group] for bucket in buckets],
         _cast_residuals(state.level_states, jnp.float32), state.estimates,
-        [jax.random.fold_in(step_key, index) for index in range(len(buckets))],
-        skip, propagate=nonfinite == "propagate")
+        [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
     means: list[Any] = [None] * len(leaves)
     for bucket, mean in zip(buckets, bucket_means):
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
@@ -394,12 +377,13 @@ def compressed_allreduce(
     new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
                              state.level_states)
     new_state = CompressedAllReduceState(
-        estimates=(), level_states=new_states, key=key, count=state.count + 1,
-        skipped_steps=state.skipped_steps)
-    if skip is not None:  # the estimates were kept before they were gathered
-      new_state = keep_if(skip, state._replace(estimates=()), new_state)._replace(
+        estimates=keep_finite(tuple(estimates), state.estimates), level_states=new_states,
+        key=key, count=state.count + 1, skipped_steps=state.skipped_steps)
+    if nonfinite == "skip":
+      skip = any_nonfinite(leaves, axes)
+      new_state = keep_if(skip, state, new_state)._replace(
           skipped_steps=state.skipped_steps + skip)
       means = zero_if(skip, means)
-    return treedef.unflatten(means), new_state._replace(estimates=tuple(estimates))
+    return treedef.unflatten(means), new_state
 
   return optax.GradientTransformation(init, update)
