@@ -19,8 +19,8 @@ def _check_compressor(compressor) -> None:
 
 def _wrapping(compressor: Compressor, init, encode, prefix: str) -> Compressor:
   """A compressor with its own ``init``/``encode`` that sends what ``compressor`` sends: its
-  decode (and decode-and-sum, subtract-decoded), bytes, linearity and matrix method; never unbiased (the state carries past
-  inputs)."""
+  decode (and decode-and-sum, subtract-decoded), bytes, linearity and matrix method; never
+  unbiased (the state carries past inputs)."""
   return Compressor(init=init, encode=encode, decode=compressor.decode,
                     wire_bytes=compressor.wire_bytes, linear=compressor.linear,
                     unbiased=False, name=f"{prefix}({compressor.name})",
