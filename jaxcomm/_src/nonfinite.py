@@ -44,9 +44,17 @@ def has_nonfinite(tree) -> jax.Array:
 
 
 def any_nonfinite(tree, axes: Sequence[str]) -> jax.Array:
-  """Replicated bool: some device's ``tree`` holds a NaN or Inf. One 4-byte ``pmax`` over
-  ``axes`` (``2 (N-1)/N * 4`` bytes per device for ``N`` devices)."""
-  return jax.lax.pmax(has_nonfinite(tree).astype(jnp.int32), tuple(axes)) > 0
+  """Replicated bool: some device's ``tree`` holds a NaN or Inf. One 4-byte ``psum`` over
+  ``axes`` (``2 (N-1)/N * 4`` bytes per device for ``N`` devices) of a float32 0 or 1.
+
+  A sum, not a max, and over ``axes`` in the mesh's order: then XLA combines it with the
+  train step's loss ``pmean`` (:func:`jaxcomm.optim.data_parallel_step`) into one all-reduce,
+  one rendezvous of every device instead of two, which on simulated CPU devices made the
+  char LM's 2x4 step 9% faster in wall time (docs/collectives.md, session 11).
+  """
+  names = jax.sharding.get_abstract_mesh().axis_names
+  axes = tuple(sorted(axes, key=lambda axis: names.index(axis) if axis in names else len(names)))
+  return jax.lax.psum(has_nonfinite(tree).astype(jnp.float32), axes) > 0
 
 
 def zero_nonfinite(tree):

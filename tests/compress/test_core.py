@@ -161,6 +161,55 @@ def test_topk_decode_sum_equals_the_sum_of_dense_decodes(devices, size, kept, ch
   np.testing.assert_array_equal(total, np.asarray(dense).sum(axis=0))
 
 
+def _with_special_values(size: int, seed: int) -> jax.Array:
+  x = jax.random.normal(jax.random.PRNGKey(seed), (size,))
+  return x.at[:6].set(jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 3e38]))
+
+
+@pytest.mark.parametrize("value_dtype", [jnp.float32, jnp.bfloat16])
+def test_topk_subtract_decoded_is_the_dense_subtraction_bit_for_bit(value_dtype):
+  """Infinities, NaN, signed zeros and values rounded to bfloat16, sent or not; error feedback
+  keeps the fast path."""
+  compressor = jaxcomm.topk(0.05, value_dtype=value_dtype)
+  assert jaxcomm.error_feedback(compressor).subtract_decoded is compressor.subtract_decoded
+  for seed, x in enumerate((_with_special_values(300, 0), -_with_special_values(300, 1),
+                            jax.random.normal(jax.random.PRNGKey(2), (300,)))):
+    payload, _ = _roundtrip(compressor, x, seed)
+    dense = jax.jit(lambda x, p: x - compressor.decode(p, x.shape))(x, payload)
+    fast = jax.jit(compressor.subtract_decoded)(x, payload)
+    np.testing.assert_array_equal(fast, dense)
+    np.testing.assert_array_equal(np.signbit(fast), np.signbit(dense))
+
+
+@pytest.mark.parametrize("make", [lambda: jaxcomm.topk(0.05), jaxcomm.sign])
+def test_bounded_error_feedback_equals_the_dense_formula_bit_for_bit(make):
+  """The residual against ``corrected - decode(payload)``, capped and then checked, as
+  error feedback computed it before its fast paths; with non-finite inputs and a large
+  residual (the cap active)."""
+  inner, bound = make(), 3.0
+  compressor = jaxcomm.error_feedback(inner, bound=bound)
+
+  def reference(x, state, key):
+    corrected = x + state.residual
+    payload, _ = inner.encode(corrected, (), key)
+    unsent = corrected - inner.decode(payload, x.shape)
+    norm = jnp.linalg.norm(unsent)
+    limit = bound * jnp.linalg.norm(x)
+    unsent = unsent * jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+    bad = jnp.isnan(jnp.sum(unsent * 0.0))
+    return payload, jnp.where(bad, state.residual, unsent)
+
+  residual = 5 * jax.random.t(jax.random.PRNGKey(7), 2.0, (300,))
+  state = jaxcomm.compress.ErrorFeedbackState(residual, ())
+  key = jax.random.PRNGKey(0)
+  for x in (0.1 * jax.random.normal(key, (300,)), _with_special_values(300, 3),
+            jnp.zeros(300), jnp.full(300, 1e30)):
+    sent, expected = jax.jit(reference)(x, state, key)
+    payload, new_state = jax.jit(compressor.encode)(x, state, key)
+    chex.assert_trees_all_equal(payload, sent)
+    np.testing.assert_array_equal(new_state.residual, expected)
+
+
 @settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 9), width=st.integers(1, 40), integer=st.booleans(),
        seed=st.integers(0, 2**16))

@@ -30,6 +30,7 @@ EncodeFn = Callable[[jax.Array, CompressorState, jax.Array], tuple[Payload, Comp
 DecodeFn = Callable[[Payload, Shape], jax.Array]
 WireBytesFn = Callable[[Shape, Any], int]
 DecodeSumFn = Callable[[Payload, Shape], jax.Array]
+SubtractDecodedFn = Callable[[jax.Array, Payload], jax.Array]
 
 
 class Compressor(NamedTuple):
@@ -59,6 +60,11 @@ class Compressor(NamedTuple):
       a compressor that computes it more cheaply than one dense decode per payload (top-k:
       one scatter-add of every payload's values into one buffer). The gather and two-phase
       strategies sum the gathered payloads with it where it is given.
+    subtract_decoded: ``None``, or ``subtract_decoded(x, payload) -> jax.Array``:
+      ``x - decode(payload, x.shape)`` for a float32 ``x``, bit for bit, for a compressor
+      that computes it without a dense decode (top-k: its values subtracted at its indices,
+      a scatter XLA can do in place). Error feedback's residual uses it where it is given
+      (:func:`subtract_decoded`).
   """
   init: InitFn
   encode: EncodeFn
@@ -69,6 +75,7 @@ class Compressor(NamedTuple):
   name: str
   matrix_method: Any = None
   decode_sum: DecodeSumFn | None = None
+  subtract_decoded: SubtractDecodedFn | None = None
 
   @property
   def needs_matrix(self) -> bool:
@@ -222,6 +229,14 @@ def decode_and_sum(compressor: Compressor, payloads: Payload, shape: Shape) -> j
   if compressor.decode_sum is not None:
     return compressor.decode_sum(payloads, shape)
   return sum_stacked(jax.vmap(lambda payload: compressor.decode(payload, shape))(payloads))
+
+
+def subtract_decoded(compressor: Compressor, x: jax.Array, payload: Payload) -> jax.Array:
+  """``x - decode(payload, x.shape)`` (float32 ``x``): ``compressor.subtract_decoded`` where
+  the compressor has one, else a dense decode and a subtraction."""
+  if compressor.subtract_decoded is not None:
+    return compressor.subtract_decoded(x, payload)
+  return x - compressor.decode(payload, x.shape)
 
 
 def psum_payload(payload: Payload, axis_name: str) -> Payload:

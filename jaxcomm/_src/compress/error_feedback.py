@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src.compress.base import Compressor
+from jaxcomm._src.compress.base import Compressor, subtract_decoded
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 from jaxcomm._src.validation import check_float, check_float_input
 
@@ -19,12 +19,13 @@ def _check_compressor(compressor) -> None:
 
 def _wrapping(compressor: Compressor, init, encode, prefix: str) -> Compressor:
   """A compressor with its own ``init``/``encode`` that sends what ``compressor`` sends: its
-  decode (and decode-and-sum), bytes, linearity and matrix method; never unbiased (the state carries past
-  inputs)."""
+  decode (and decode-and-sum, subtract-decoded), bytes, linearity and matrix method; never
+  unbiased (the state carries past inputs)."""
   return Compressor(init=init, encode=encode, decode=compressor.decode,
                     wire_bytes=compressor.wire_bytes, linear=compressor.linear,
                     unbiased=False, name=f"{prefix}({compressor.name})",
-                    matrix_method=compressor.matrix_method, decode_sum=compressor.decode_sum)
+                    matrix_method=compressor.matrix_method, decode_sum=compressor.decode_sum,
+                    subtract_decoded=compressor.subtract_decoded)
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -38,10 +39,11 @@ class ErrorFeedbackState(NamedTuple):
   inner: Any
 
 
-def _capped(unsent: jax.Array, limit: jax.Array) -> jax.Array:
-  """``unsent`` scaled down to norm ``limit`` where it is longer (a zero ``limit`` zeroes it)."""
+def _cap_scale(unsent: jax.Array, limit: jax.Array) -> jax.Array:
+  """The factor in ``[0, 1]`` (or NaN) that scales ``unsent`` down to norm ``limit`` where it
+  is longer (0 for a zero ``limit``)."""
   norm = jnp.linalg.norm(unsent)
-  return unsent * jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
+  return jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
 
 
 def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Compressor:
@@ -100,14 +102,18 @@ def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Com
     x32 = x.astype(jnp.float32)
     corrected = x32 + state.residual
     payload, inner = compressor.encode(corrected, state.inner, key)
-    unsent = corrected - compressor.decode(payload, x.shape)
-    if bound is not None:
-      unsent = _capped(unsent, bound * jnp.linalg.norm(x32))
+    unsent = subtract_decoded(compressor, corrected, payload)
     # The residual alone is checked: a NaN or Inf in `corrected` leaves one in `unsent` at the
-    # same entry (x - y is not finite for a non-finite x), and the cap keeps it (the norm is
-    # then Inf or NaN, the scale 0, NaN or 1). It also catches a compressor that overflowed on
-    # finite input.
+    # same entry (x - y is not finite for a non-finite x). It also catches a compressor that
+    # overflowed on finite input.
     bad = has_nonfinite(unsent)
+    if bound is not None:
+      # The capped residual `unsent * scale` (scale <= 1) is not finite exactly where
+      # `unsent` is not or the scale is NaN, so it is checked through those two and never
+      # materialized: XLA fuses the product into the select below.
+      scale = _cap_scale(unsent, bound * jnp.linalg.norm(x32))
+      unsent = unsent * scale
+      bad = bad | jnp.isnan(scale)
     return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
                             floats_only=True)
 

@@ -160,6 +160,12 @@ def topk(density: float | None = None, *, k: int | None = None,
   def decode_sum(payloads: TopKPayload, shape) -> jax.Array:
     return scatter_sum(payloads.indices, payloads.values, num_elements(shape)).reshape(shape)
 
+  def subtract_decoded(x: jax.Array, payload: TopKPayload) -> jax.Array:
+    # x + (-v) rounds as x - v, and every other entry is x - 0 = x: decode's zeros and the
+    # subtraction are two passes over x that this scatter of k values does not make.
+    negated = -payload.values.astype(jnp.float32)
+    return x.reshape(-1).at[payload.indices].add(negated).reshape(x.shape)
+
   def wire_bytes(shape, dtype) -> int:
     del dtype
     return topk_count(tuple(shape), density, k) * (value_dtype.itemsize + 4)
@@ -168,7 +174,7 @@ def topk(density: float | None = None, *, k: int | None = None,
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False, name=f"topk({amount}{suffix})",
-                    decode_sum=decode_sum)
+                    decode_sum=decode_sum, subtract_decoded=subtract_decoded)
 
 
 def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
