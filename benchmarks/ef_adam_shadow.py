@@ -45,11 +45,13 @@ COMPRESSORS = {
     "topk-residual": lambda: jaxcomm.compress.error_feedback(jaxcomm.topk(0.01)),
     "topk-none": lambda: jaxcomm.topk(0.01),
     "topk-ef21": lambda: jaxcomm.compress.estimate_feedback(jaxcomm.topk(0.01)),
+    "int8": lambda: jaxcomm.compress.error_feedback(jaxcomm.quantize(8)),
 }
 """Each name's compressor with the feedback ``compressed_allreduce`` would wrap it in: ``sign``
 (``sign-cN``: ``N`` elements per scale) with EF21 estimates, the default for sign; ``topk``
 (1%) with bounded residuals, its default; ``topk-residual`` with classic residuals,
-``topk-none`` without feedback, ``topk-ef21`` with estimates."""
+``topk-none`` without feedback, ``topk-ef21`` with estimates; ``int8`` (stochastic 8-bit
+quantization) with residuals, its default."""
 
 
 def _shards(leaf):
@@ -61,15 +63,16 @@ def _shards(leaf):
   return jnp.pad(host, ((0, 0), (0, pad))).reshape(HOSTS, LOCAL, -1), size
 
 
-def _mean_output(compressor, states, g):
+def _mean_output(compressor, states, g, key):
   """The mean over hosts that ``compressed_allreduce`` returns, flattened over all leaves,
-  and the new per-leaf states."""
+  and the new per-leaf states; ``key`` is the step's (each leaf and device folds in its
+  index)."""
   outs, new_states = [], []
-  key = jax.random.PRNGKey(0)
-  for leaf, state in zip(jax.tree.leaves(g), states):
+  for index, (leaf, state) in enumerate(zip(jax.tree.leaves(g), states)):
     x, size = _shards(leaf)
-    encode = jax.vmap(jax.vmap(lambda xi, si: compressor.encode(xi, si, key)))
-    payload, state = encode(x, state)
+    keys = jax.vmap(jax.vmap(jax.random.fold_in, (None, 0)), (None, 0))(
+        jax.random.fold_in(key, index), jnp.arange(HOSTS * LOCAL).reshape(HOSTS, LOCAL))
+    payload, state = jax.vmap(jax.vmap(compressor.encode))(x, state, keys)
     decoded = jax.vmap(jax.vmap(lambda p: compressor.decode(p, (x.shape[2],))))(payload)
     if isinstance(state, jaxcomm.compress.EstimateFeedbackState):
       decoded = state.estimate  # EF21 returns the mean of the estimates
@@ -100,8 +103,8 @@ def shadow(task, steps: int, report: set[int], names: Sequence[str]):
     new, stats = {}, {}
     exact = jnp.concatenate([x.mean(axis=(0, 1)).reshape(-1) for x in jax.tree.leaves(g)])
     for name, (m, v, states) in moments.items():
-      out, states = (exact, None) if name == "fp32" else _mean_output(compressors[name],
-                                                                      states, g)
+      out, states = (exact, None) if name == "fp32" else _mean_output(
+          compressors[name], states, g, jax.random.fold_in(jax.random.PRNGKey(0), t))
       new[name] = (B1 * m + (1 - B1) * out, B2 * v + (1 - B2) * out ** 2, states)
     c1, c2 = 1 - B1 ** t, 1 - B2 ** t
     m, v, _ = new["fp32"]
