@@ -34,3 +34,9 @@ def test_topk_bound_variant_sends_topk_bytes():
 def test_unknown_key_raises(name):
   with pytest.raises(ValueError, match="unknown key"):
     lm_variants.variant(name)
+
+
+def test_embedding_chunk_variant_has_no_projection():
+  """The cost model has no leaf paths, so a per-leaf policy variant projects nothing (mesh_scan
+  then skips its large-model projection instead of costing the wrong compressor)."""
+  assert lm_variants.variant("sign-ef@embed_chunk=64").project is None
