@@ -49,6 +49,10 @@ METHODS: dict[str, Callable[[int], optax.GradientTransformation]] = {
     "int8-two-phase": lambda seed: jaxcomm.compressed_allreduce(
         jaxcomm.quantize(8), strategy="two_phase", seed=seed),
     "sign-ef": lambda seed: jaxcomm.compressed_allreduce(jaxcomm.sign(), seed=seed),
+    # Per-chunk sign scales (docs/quality.md, section 11).
+    **{f"sign-ef-chunk{chunk}": functools.partial(
+        lambda seed, chunk: jaxcomm.compressed_allreduce(jaxcomm.sign(chunk), seed=seed),
+        chunk=chunk) for chunk in (16, 64, 256)},
     # The mechanisms before docs/quality.md's fix: classic error feedback (residuals), with
     # two-phase (the old automatic choice on more than 2 hosts) and with gather.
     "sign-ef-residual-two-phase": lambda seed: jaxcomm.compressed_allreduce(

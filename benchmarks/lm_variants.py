@@ -9,7 +9,11 @@ keyword arguments, e.g. ``demo@topk=8@beta=0.99`` or ``sparseloco-h8@density=0.0
 ``compress-updates``, :func:`jaxcomm.optim.compress_updates` of AdamW: ``topk`` (fraction),
 ``sign``, ``feedback``, ``debias`` (``True``: :func:`jaxcomm.optim.host_adamw` with
 ``host_variance=True``); ``topk-ef``, top-k in front of AdamW
-(:func:`jaxcomm.compressed_allreduce`, gather): ``feedback``). Every other
+(:func:`jaxcomm.compressed_allreduce`, gather): ``feedback``, ``bound`` (residuals capped at
+``bound`` times the input's norm: :func:`jaxcomm.compress.error_feedback`); ``sign-ef``, scaled sign in
+front of AdamW (gather): ``feedback``, ``chunk`` (elements per scale), ``embed_chunk``
+(``chunk`` for the embedding only, through :func:`jaxcomm.policy`; no large-model
+projection)). Every other
 flag is mesh_scan's; the variants are registered for this process only, so the registry that
 the tests scan stays as it is::
 
@@ -33,7 +37,8 @@ _DEMO = {"beta": float, "chunk": int, "topk": int, "sign": lambda v: v == "True"
          "weight_decay": float}
 _COMPRESS_UPDATES = {"topk": float, "sign": lambda v: v == "True", "rsign": float,
                      "feedback": str, "debias": lambda v: v == "True"}
-_TOPK_EF = {"feedback": str}
+_TOPK_EF = {"feedback": str, "bound": float}
+_SIGN_EF = {"feedback": str, "chunk": int, "embed_chunk": int}
 _SPARSELOCO = {"density": float, "bits": int, "beta": float, "alpha": float, "chunk": int,
                "block": int, "positions": str}
 
@@ -71,12 +76,33 @@ def variant(name: str) -> methods.Method:
     return _compress_updates(name, kw.get("feedback", "residual"), **{
         key: kw[key] for key in ("topk", "sign", "rsign", "debias") if key in kw})
   if base == "topk-ef":
-    feedback = _kwargs(name, _TOPK_EF).get("feedback", True)
+    kw = _kwargs(name, _TOPK_EF)
+    if "bound" in kw:
+      return methods._compressed(
+          name, f"top-k across hosts, gather, residuals bounded at {kw['bound']:g}",
+          lambda s: jaxcomm.compress.error_feedback(jaxcomm.topk(s.topk_density),
+                                                    bound=kw["bound"]),
+          strategy="gather", feedback="none")
+    feedback = kw.get("feedback", True)
     return methods._compressed(name, f"top-k across hosts, gather, feedback={feedback!r}",
                                lambda s: jaxcomm.topk(s.topk_density), strategy="gather",
                                feedback=feedback)
-  raise ValueError(f"{name!r}: variants exist for demo, sparseloco-hH, compress-updates and "
-                   "topk-ef")
+  if base == "sign-ef":
+    kw = {"feedback": True, **_kwargs(name, _SIGN_EF)}
+    chunk = kw.get("chunk")
+    summary = f"scaled sign (chunk {chunk}) across hosts, gather, feedback={kw['feedback']!r}"
+    if "embed_chunk" in kw:
+      chosen = jaxcomm.policy(
+          jaxcomm.sign(chunk), rules=[("embedding", jaxcomm.sign(kw["embed_chunk"]))],
+          min_bytes=0, full_precision=())
+      return methods.Method(
+          name, f"{summary}, the embedding with chunk {kw['embed_chunk']}",
+          lambda s: methods._adamw(jaxcomm.compressed_allreduce(
+              chosen, feedback=kw["feedback"], seed=s.seed), s), None)  # gather for sign
+    return methods._compressed(name, summary, lambda s: jaxcomm.sign(chunk), strategy="gather",
+                               feedback=kw["feedback"])
+  raise ValueError(f"{name!r}: variants exist for demo, sparseloco-hH, compress-updates, "
+                   "topk-ef and sign-ef")
 
 
 def _compress_updates(name: str, feedback: str, topk: float | None = None, sign: bool = False,

@@ -250,6 +250,12 @@ def compressed_allreduce(
   create it with :func:`jaxcomm.optim.sharded_init`, which also returns the ``PartitionSpec`` pytree
   to use for it in the train step's ``in_specs``/``out_specs``.
 
+  In front of an adaptive optimizer (``optax.adamw``) no feedback mode gives fp32's quality:
+  error feedback conserves the sum of the means it returns, while Adam's step depends on their
+  squares too (docs/quality.md, sections 8 and 11). Per-chunk sign scales
+  (``jaxcomm.sign(64)``) narrow the gap; :func:`jaxcomm.optim.compress_updates`, which
+  compresses Adam's update instead, closes it.
+
   Bytes per device and step for each bucket of ``D`` bytes on the default two levels
   (``G`` devices per host, ``H`` hosts, payload ``c`` for the bucket's ``1/G`` shard):
   ``2(G-1)/G D`` over the fast axis; over the slow axis ``(H-1) c`` (gather), about ``2c``
