@@ -301,7 +301,7 @@ def compressed_allreduce(
     seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the key
       used by stochastic compressors; an int and either key made from it draw alike.
     nonfinite: what a NaN or Inf in any device's gradients does to the step. All devices
-      ``'skip'`` (default): the devices agree with one 4-byte ``pmax`` over every mesh axis
+      ``'skip'`` (default): the devices agree with one 4-byte ``psum`` over every mesh axis
       (``2(N-1)/N * 4`` bytes per device for ``N`` devices), and if any saw one, every device
       returns zero updates and the state unchanged except ``skipped_steps``. ``'zero'``:
       non-finite entries are replaced by 0 before the reduction (no agreement needed).

@@ -19,7 +19,7 @@ from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_if
 def with_nonfinite_policy(inner: optax.GradientTransformation, mode: str,
                           axes: Sequence[str]) -> optax.GradientTransformation:
   """``inner`` under a non-finite mode: ``'skip'`` wraps it in :func:`skip_nonfinite` (one
-  4-byte ``pmax`` over ``axes``), ``'zero'`` zeroes non-finite gradient entries first (no
+  4-byte ``psum`` over ``axes``), ``'zero'`` zeroes non-finite gradient entries first (no
   communication), ``'propagate'`` returns it as it is."""
   mode = check_nonfinite_mode(mode)
   if mode == "skip":
@@ -46,7 +46,7 @@ def skip_nonfinite(inner: optax.GradientTransformation,
 
   ``compressed_allreduce(nonfinite='skip')`` protects only its own state: the optimizer after
   it still sees a zero gradient, and Adam's momentum moves the parameters anyway. Wrapping the
-  whole chain makes a skipped step a true no-op: every device agrees (one 4-byte ``pmax`` over
+  whole chain makes a skipped step a true no-op: every device agrees (one 4-byte ``psum`` over
   ``axes``) whether any of them received a NaN or Inf, and if so all return zero updates and
   the chain's state exactly as it was. Inside, use ``compressed_allreduce(...,
   nonfinite='propagate')`` so the agreement is not paid twice.

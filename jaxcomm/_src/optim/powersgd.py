@@ -203,7 +203,7 @@ def matrix_allreduce(compressor, *, strategy, feedback: bool, bucket_bytes, resi
   are the rank-r factors, ``2 (H-1)/H 4 r (m + ceil(n / G))`` per factorized leaf (``P`` and
   this device's rows of ``Q``), not a flattened
   shard sent dense. ``nonfinite='skip'`` wraps it in :func:`jaxcomm.skip_nonfinite` (one
-  4-byte ``pmax``), ``'zero'`` zeroes non-finite entries first, ``'propagate'`` runs it as
+  4-byte ``psum``), ``'zero'`` zeroes non-finite entries first, ``'propagate'`` runs it as
   is; its residuals never take a non-finite value in any mode.
 
   Raises:
