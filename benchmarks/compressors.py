@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import os
 import re
-import sys
 import time
 import warnings
 
@@ -50,6 +48,8 @@ import numpy as np
 
 import jaxcomm.compress
 from jaxcomm.compress import Compressor, payload_nbytes
+
+from benchmarks.common import imported_from, parse_trees
 
 LINK_BYTES_PER_SECOND = 125e6  # 1 Gbit/s
 
@@ -92,21 +92,10 @@ def catalog(compress=jaxcomm.compress) -> list[Compressor]:
 
 
 def catalog_from_tree(path: str) -> list[Compressor]:
-  """:func:`catalog` built from the ``jaxcomm`` of the checkout at ``path``; this checkout's
-  modules are put back afterwards (the returned compressors keep the other's code)."""
-  ours = {name: module for name, module in sys.modules.items()
-          if name.split(".")[0] == "jaxcomm"}
-  for name in ours:
-    del sys.modules[name]
-  sys.path.insert(0, os.path.abspath(path))
-  try:
+  """:func:`catalog` built from the ``jaxcomm`` of the checkout at ``path``."""
+  with imported_from(path):
     from jaxcomm import compress
     return catalog(compress)
-  finally:
-    sys.path.pop(0)
-    for name in [name for name in sys.modules if name.split(".")[0] == "jaxcomm"]:
-      del sys.modules[name]
-    sys.modules.update(ours)
 
 
 def mlp_gradients(hidden: int, seed: int = 0) -> dict:
@@ -242,10 +231,7 @@ def main() -> None:
                       help="also measure every compressor as built from the checkout at PATH, "
                            "in turn with this checkout's")
   args = parser.parse_args()
-  args.tree = [tree.split("=", 1) for tree in args.tree]
-  if any(len(tree) != 2 or not os.path.isdir(os.path.join(tree[1], "jaxcomm"))
-         for tree in args.tree):
-    parser.error(f"--tree must be LABEL=PATH of a checkout holding jaxcomm/, got {args.tree}")
+  args.tree = parse_trees(parser, args.tree)
   warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
 
   inputs = {}

@@ -16,12 +16,11 @@ so the 8 simulated devices' work), which a loaded machine disturbs less. Run
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from collections.abc import Sequence
 
-from benchmarks.common import host_local_mesh
+from benchmarks.common import host_local_mesh, imported_from, parse_trees
 
 DEFAULT_METHODS = ("identity", "fp32", "fp32-hier", "bf16", "int8", "qsgd", "terngrad",
                    "sign-ef", "sign-ef-2p", "topk-ef", "topk-ef-2p", "randomk-ef", "sketch",
@@ -51,15 +50,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   if not (hosts.isdigit() and local.isdigit() and int(hosts) >= 1 and int(local) >= 1):
     parser.error(f"--mesh must be HOSTSxLOCAL, e.g. 2x4, got {args.mesh!r}")
   args.hosts, args.local = int(hosts), int(local)
-  args.tree = [tree.split("=", 1) for tree in args.tree]
+  args.tree = parse_trees(parser, args.tree)
   try:
     args.hidden = (None if args.hidden is None
                    else tuple(int(width) for width in args.hidden.split(",")))
   except ValueError:
     parser.error(f"--hidden must be comma-separated integers, got {args.hidden!r}")
-  if any(len(tree) != 2 or not os.path.isdir(os.path.join(tree[1], "jaxcomm"))
-         for tree in args.tree):
-    parser.error(f"--tree must be LABEL=PATH of a checkout holding jaxcomm/, got {args.tree}")
   for name in ("rounds", "warmup"):
     if getattr(args, name) < 1:
       parser.error(f"--{name} must be >= 1, got {getattr(args, name)}")
@@ -100,21 +96,10 @@ def compile_steps(args, mesh) -> dict:
 
 def compile_from_tree(args, mesh, path: str) -> dict:
   """:func:`compile_steps` with ``jaxcomm``, ``benchmarks`` and ``models`` imported from the
-  checkout at ``path``; this checkout's modules are imported again afterwards."""
-  packages = ("jaxcomm", "benchmarks", "models")
-
-  def forget():
-    for name in [name for name in sys.modules if name.split(".")[0] in packages]:
-      del sys.modules[name]
-
-  forget()
-  sys.path.insert(0, os.path.abspath(path))
-  try:
+  checkout at ``path``."""
+  with imported_from(path, ("jaxcomm", "benchmarks", "models")):
     from benchmarks import step_overhead
     return step_overhead.compile_steps(args, mesh)[0]
-  finally:
-    sys.path.pop(0)
-    forget()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

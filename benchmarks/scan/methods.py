@@ -414,7 +414,6 @@ def _sota_methods(period: int) -> list[Method]:
   """DeMo, SparseLoCo and streaming DiLoCo with 4- and 2-bit outer gradients (AdamW inner
   steps, ``period`` of them per outer step of each fragment)."""
   h = period
-  density, sparse_bits, sparse_chunk = 1 / 32, 2, 4096
   streaming = []
   for bits in (4, 2):
     compressor = jaxcomm.quantize(bits, chunk=1024)
