@@ -10,9 +10,11 @@ communication), and projects the gradient allreduce of a 7B transformer on 8 x 8
 prints tables and writes JSON, CSV and PNG plots under ``--out``.
 
 Run ``python -m benchmarks.mesh_scan --help`` for the flags, ``--quick`` for a short scan,
-``--profile full`` for every method (about twice the default's runs), ``--profile lm`` for the full-length language-model quality table (every method of
-:data:`LM_METHODS` on the GPT of :mod:`models.gpt`, 2x4 mesh, 1,000 steps, seeds 0 and 1;
-docs/results.md has its 300-step form).
+``--profile full`` for every method (about twice the default's runs), ``--profile lm`` for
+the full-length language-model quality table (every method of :data:`LM_METHODS` on the GPT
+of :mod:`models.gpt`, 2x4 mesh, 1,000 steps, seeds 0 and 1; docs/results.md has its 300-step
+form), ``--profile lm-large`` for the targets' recipes (:data:`LM_LARGE_METHODS`) on the
+GPT's 2.4M-parameter size, 3,000 steps, seeds 0 and 1.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ LM_METHODS = ("fp32", "fp32-hier", "int8", "sign-ef", "topk-ef", "topk-ef-defaul
               "powersgd-r1", "powersgd-r4", "onebit-adam", "sign-ef-updates", "demo", "diloco-h8",
               "sparseloco-h8", "streaming-diloco-h8-q4", "streaming-diloco-h8-q2",
               "sparseloco-h1-b16", "sparseloco-h16")
+#: The methods of ``--profile lm-large``: the references and the recipe for each of issue 12's
+#: targets (per step and with local steps) on the 2.4M-parameter GPT.
+LM_LARGE_METHODS = ("fp32", "fp32-hier", "sparseloco-h1-b16", "sparseloco-h16")
 #: Its shortened form in the default and full profiles.
 LM_DEFAULT_METHODS = ("fp32", "fp32-hier", "topk-ef", "demo", "sparseloco-h8")
 #: The default profile's methods on the char LM: the references, one of each compressor family
@@ -94,6 +99,10 @@ PROFILES = {
     # The quality table: the GPT on pydoc's English text, long enough that fp32 is well past
     # its initial drop, two seeds (same tokens for every method of a seed).
     "lm": Profile("default", 1000, 100, (Scan(("gpt",), ("2x4",), LM_METHODS),), seeds=(0, 1)),
+    # The targets' recipes on the GPT's large size (models.gpt.SIZES["large"], 2.4M parameters,
+    # about 20 times the default's compute per step), 3,000 steps, two seeds.
+    "lm-large": Profile("large", 3000, 100, (Scan(("gpt",), ("2x4",), LM_LARGE_METHODS),),
+                        seeds=(0, 1)),
 }
 
 
@@ -132,7 +141,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       f"({len(DEFAULT_METHODS)} methods on the char LM, other meshes and models "
                       f"shorter, a {GPT_DEFAULT_STEPS}-step GPT quality table), full (every "
                       "method on the char LM, more meshes and methods elsewhere), lm (the GPT "
-                      "quality table, 1000 steps, seeds 0,1)")
+                      "quality table, 1000 steps, seeds 0,1), lm-large (the targets' recipes on "
+                      "the 2.4M-parameter GPT, 3000 steps, seeds 0,1)")
   parser.add_argument("--quick", action="store_true", help="same as --profile quick")
   parser.add_argument("--models", default=None,
                       help=f"comma-separated models, from {', '.join(TASKS)}; any of --models, "
@@ -176,7 +186,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--seeds", "--seed", default=None,
                       help="comma-separated seeds for data and initialization; every run is "
                       "repeated per seed and the quality table averages over them (default: "
-                      "the profile's: lm 0,1, the others 0)")
+                      "the profile's: lm and lm-large 0,1, the others 0)")
   parser.add_argument("--simulated-devices", type=int, default=8,
                       help="CPU devices to simulate (ignored in a launched multi-process job)")
   parser.add_argument("--out", default="mesh_scan_out", help="directory for JSON, CSV and PNGs")

@@ -8,12 +8,14 @@ import os
 import subprocess
 import sys
 
+import jax
 import numpy as np
 import pytest
 
 from benchmarks import mesh_scan
 from benchmarks.scan import figures, projection
 from benchmarks.scan.methods import REGISTRY
+from benchmarks.scan.tasks import TASKS
 from jaxcomm import costmodel, links, topk
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,6 +133,17 @@ def test_profiles_run_the_lm_quality_table():
   assert len(runs(default.plan)) == 35
   assert {m for _, _, m in runs(full.plan)} == set(REGISTRY)
   assert mesh_scan.parse_args(["--profile", "lm", "--seed", "3"]).seeds == (3,)
+
+
+def test_the_large_lm_profile_trains_the_large_gpt():
+  large = mesh_scan.parse_args(["--profile", "lm-large"])
+  assert large.seeds == (0, 1) and large.steps == 3000 and large.size == "large"
+  assert [tuple(scan) for scan in large.plan] == [
+      (("gpt",), ("2x4",), mesh_scan.LM_LARGE_METHODS, None)]
+  assert set(mesh_scan.LM_LARGE_METHODS) <= set(mesh_scan.LM_METHODS)
+  task = TASKS["gpt"]("large", 16, 1, 0)
+  assert sum(leaf.size for leaf in jax.tree.leaves(task.params)) == 2_430_464
+  assert "3 layers, d_model 256" in task.description
 
 
 def _row(method, seed, loss, inter_host, hosts=2):

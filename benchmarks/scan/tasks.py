@@ -138,10 +138,11 @@ def gpt(size: str, global_batch: int, steps: int, seed: int, hidden=None) -> Tas
   import dataclasses
 
   from models import gpt as model, text
-  config = model.SIZES["quick" if size == "quick" else "default"]
+  size = size if size in model.SIZES else "default"
+  config = model.SIZES[size]
   if hidden:
     config = dataclasses.replace(config, d_model=hidden[0], mlp_dim=4 * hidden[0])
-  context = model.CONTEXT["quick" if size == "quick" else "default"]
+  context = model.CONTEXT[size]
   graphdef, params = model.init_gpt(config, seed=seed)
   corpus = text.load_pydoc_corpus()
   tokens, targets = text.sample_sequences(corpus.train, global_batch * steps, context, seed)
