@@ -21,8 +21,9 @@ from jaxcomm.collectives import (Dense, Gather, Linear, TwoPhase, hierarchical_c
                                  level)
 import fast_random
 
-STRATEGIES = [Dense(), Linear(), Gather(), Gather("psum"), TwoPhase(), TwoPhase("psum")]
-IDS = ["dense", "linear", "gather", "gather-psum", "two_phase", "two_phase-psum"]
+STRATEGIES = [Dense(), Dense(implementation="psum"), Linear(), Gather(), Gather("psum"),
+              TwoPhase(), TwoPhase("psum")]
+IDS = ["dense", "dense-psum", "linear", "gather", "gather-psum", "two_phase", "two_phase-psum"]
 
 
 def _levels(strategy, compressor):
@@ -59,7 +60,8 @@ LINEAR = [jaxcomm.identity(), jaxcomm.compress.randomk(0.1, scale=False),
           jaxcomm.compress.shared_quantize()]
 NONLINEAR = [jaxcomm.identity(), jaxcomm.topk(0.1), jaxcomm.sign(), jaxcomm.quantize(8),
              jaxcomm.compress.terngrad(shared_scale=True)]
-CASES = ([(Dense(), None)] + [(Linear(), c) for c in LINEAR]
+CASES = ([(Dense(), None), (Dense(implementation="psum"), None)]
+         + [(Linear(), c) for c in LINEAR]
          + [(s, c) for s in (Gather(), TwoPhase()) for c in NONLINEAR]
          + [(Gather("psum"), jaxcomm.topk(0.1)), (TwoPhase("psum"), jaxcomm.sign())])
 

@@ -5,6 +5,7 @@ import jax
 import pytest
 
 import jaxcomm
+from jaxcomm._src.collectives import strategies
 from jaxcomm.collectives import Dense, Gather, Linear, TwoPhase, TwoPhaseState, level
 
 
@@ -25,6 +26,18 @@ def test_dense_with_a_compressor_raises_instead_of_running_gather(build, compres
 def test_a_strategy_name_resolves_to_its_value(name, value):
   compressor = None if name == "dense" else jaxcomm.identity()
   assert level("host", compressor, strategy=name).strategy == value
+
+
+def test_a_dense_implementation_out_of_range_raises_at_construction():
+  with pytest.raises(ValueError, match=r"Dense\(implementation=...\) must be one of "
+                     r"reduce_scatter, psum or None; got 'ring'"):
+    level("local", strategy=Dense(implementation="ring"))
+
+
+def test_a_dense_level_reduce_scatters_in_one_process():
+  """The psum-built way in is the preference only for CPU jobs of several processes."""
+  assert strategies.scatter_implementation(None) == "reduce_scatter"
+  assert strategies.scatter_implementation("psum") == "psum"
 
 
 def test_an_unknown_strategy_names_the_allowed_ones():

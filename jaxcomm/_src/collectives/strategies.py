@@ -41,6 +41,7 @@ from jaxcomm._src.compress.error_feedback import error_feedback
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
 GATHERS = ("all_gather", "psum")
+SCATTERS = ("reduce_scatter", "psum")
 
 
 class TwoPhaseState(NamedTuple):
@@ -123,12 +124,19 @@ class Dense(NamedTuple):
 
   A dense level's shard of ``D = length * itemsize`` bytes (``length`` a multiple of ``n``) is
   reduce-scattered, ``(n-1)/n D``, and all-gathered back, ``(n-1)/n D``: ``2(n-1)/n D`` per
-  device, an all-reduce's bytes, in ``dtype`` when given (bf16/fp16).
+  device, an all-reduce's bytes, in ``dtype`` when given (bf16/fp16). With
+  ``implementation='psum'`` the way in is an all-reduce of ``D`` and this device's slice of it,
+  ``2(n-1)/n D``, so ``3(n-1)/n D`` in all.
 
   Attributes:
     dtype: the dtype the data is summed in (``None``: as given).
+    implementation: how the way in runs: ``'reduce_scatter'`` (``psum_scatter``), ``'psum'``
+      (``psum`` then this device's slice, for backends whose reduce-scatter is much slower
+      than their all-reduce) or ``None`` for the measured preference of the backend and
+      process count (:data:`PREFERRED_SCATTER`).
   """
   dtype: Any = None
+  implementation: str | None = None
   name = "dense"
   shared_key = False
   own_residuals = False
@@ -138,6 +146,9 @@ class Dense(NamedTuple):
       raise ValueError(f"strategy='dense' sends full precision and takes no compressor; got "
                        f"{compressor.name}: use compressor=None for 'dense', or 'linear', "
                        "'gather' or 'two_phase' with a compressor.")
+    if self.implementation is not None and self.implementation not in SCATTERS:
+      raise ValueError(f"Dense(implementation=...) must be one of {', '.join(SCATTERS)} or "
+                       f"None; got {self.implementation!r}.")
 
   def init(self, compressor, length: int, axis_size: int, feedback: bool, dtype: Any):
     del compressor, length, axis_size, feedback, dtype
@@ -146,6 +157,10 @@ class Dense(NamedTuple):
   def scatter(self, shard: jax.Array, axis: str) -> jax.Array:
     """This device's ``1/n`` of the sum of ``shard`` over ``axis``."""
     summed = shard.astype(self.dtype or shard.dtype)
+    if scatter_implementation(self.implementation) == "psum":
+      length = summed.shape[0] // jax.lax.axis_size(axis)
+      return jax.lax.dynamic_slice_in_dim(jax.lax.psum(summed, axis),
+                                          jax.lax.axis_index(axis) * length, length)
     return jax.lax.psum_scatter(summed, axis, scatter_dimension=0, tiled=True)
 
   def gather(self, shard: jax.Array, axis: str) -> jax.Array:
@@ -161,8 +176,10 @@ class Dense(NamedTuple):
   def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
     del compressor
     nbytes = length * jnp.dtype(self.dtype or dtype).itemsize
-    # The reduce-scatter of D bytes sends what the all-gather back to D bytes sends.
-    return ring_cost("all-gather", nbytes, axis_size) + ring_cost("all-gather", nbytes, axis_size)
+    psum = scatter_implementation(self.implementation) == "psum"
+    way_in = "all-reduce" if psum else "all-gather"
+    # A reduce-scatter of D bytes sends what the all-gather back to D bytes sends.
+    return ring_cost(way_in, nbytes, axis_size) + ring_cost("all-gather", nbytes, axis_size)
 
 
 class Linear(NamedTuple):
@@ -480,6 +497,19 @@ def all_to_all_payload(payloads, axis: str):
 # one run favoured the psum-built gather at 3 of 4 sizes and a second run all_gather at all
 # 5, by up to 3.5x. all_gather wins on balance; psum stays available per level.
 PREFERRED_GATHER = {"cpu": "all_gather", "gpu": "all_gather", "tpu": "all_gather"}
+
+
+# Which reduce-scatter a dense level runs, by backend and whether the job spans several
+# processes. Across processes the CPU backend runs every collective through gloo over TCP, the
+# two devices of one process included, and gloo's reduce-scatter took 1.5-2x its all-reduce of
+# the same data (docs/slow_link.md, session 11).
+PREFERRED_SCATTER = {("cpu", True): "reduce_scatter"}
+
+
+def scatter_implementation(implementation: str | None) -> str:
+  """``implementation``, or for ``None`` the preference of this backend and process count."""
+  key = (jax.default_backend(), jax.process_count() > 1)
+  return implementation or PREFERRED_SCATTER.get(key, "reduce_scatter")
 
 
 def _implementation(implementation: str | None) -> str:
