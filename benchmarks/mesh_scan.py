@@ -14,7 +14,7 @@ Run ``python -m benchmarks.mesh_scan --help`` for the flags, ``--quick`` for a s
 the full-length language-model quality table (every method of :data:`LM_METHODS` on the GPT
 of :mod:`models.gpt`, 2x4 mesh, 1,000 steps, seeds 0 and 1; docs/results.md has its 300-step
 form), ``--profile lm-large`` for the targets' recipes (:data:`LM_LARGE_METHODS`) on the
-GPT's 2.4M-parameter size, 1,000 steps, seeds 0 and 1.
+GPT's 2.4M-parameter size, 2,000 steps, seeds 0 and 1.
 """
 
 from __future__ import annotations
@@ -100,9 +100,9 @@ PROFILES = {
     # its initial drop, two seeds (same tokens for every method of a seed).
     "lm": Profile("default", 1000, 100, (Scan(("gpt",), ("2x4",), LM_METHODS),), seeds=(0, 1)),
     # The targets' recipes on the GPT's large size (models.gpt.SIZES["large"], 2.4M parameters,
-    # about 20 times the default's compute per step), 1,000 steps (1.2 epochs: by 3,000 it
-    # overfits the 434 KB of text, docs/results.md), two seeds.
-    "lm-large": Profile("large", 1000, 100, (Scan(("gpt",), ("2x4",), LM_LARGE_METHODS),),
+    # about 20 times the default's compute per step, AdamW 1e-3: models.gpt.LR), 2,000 steps,
+    # two seeds.
+    "lm-large": Profile("large", 2000, 100, (Scan(("gpt",), ("2x4",), LM_LARGE_METHODS),),
                         seeds=(0, 1)),
 }
 
@@ -143,7 +143,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                       f"shorter, a {GPT_DEFAULT_STEPS}-step GPT quality table), full (every "
                       "method on the char LM, more meshes and methods elsewhere), lm (the GPT "
                       "quality table, 1000 steps, seeds 0,1), lm-large (the targets' recipes on "
-                      "the 2.4M-parameter GPT, 1000 steps, seeds 0,1)")
+                      "the 2.4M-parameter GPT, 2000 steps, seeds 0,1)")
   parser.add_argument("--quick", action="store_true", help="same as --profile quick")
   parser.add_argument("--models", default=None,
                       help=f"comma-separated models, from {', '.join(TASKS)}; any of --models, "

@@ -137,13 +137,13 @@ def test_profiles_run_the_lm_quality_table():
 
 def test_the_large_lm_profile_trains_the_large_gpt():
   large = mesh_scan.parse_args(["--profile", "lm-large"])
-  assert large.seeds == (0, 1) and large.steps == 1000 and large.size == "large"
+  assert large.seeds == (0, 1) and large.steps == 2000 and large.size == "large"
   assert [tuple(scan) for scan in large.plan] == [
       (("gpt",), ("2x4",), mesh_scan.LM_LARGE_METHODS, None)]
   assert set(mesh_scan.LM_LARGE_METHODS) <= set(mesh_scan.LM_METHODS)
   task = TASKS["gpt"]("large", 16, 1, 0)
   assert sum(leaf.size for leaf in jax.tree.leaves(task.params)) == 2_430_464
-  assert "3 layers, d_model 256" in task.description
+  assert "3 layers, d_model 256" in task.description and task.lr == 1e-3
 
 
 def _row(method, seed, loss, inter_host, hosts=2):

@@ -156,7 +156,7 @@ def gpt(size: str, global_batch: int, steps: int, seed: int, hidden=None) -> Tas
               f"({_count(params):,} params) on {len(corpus.files[0])} pydoc topics "
               f"({len(corpus.train):,} bytes), held-out {len(corpus.files[1])} other topics",
               params, model.lm_loss(graphdef), batch,
-              text.tile_sequences(corpus.held_out, context), 3e-3)
+              text.tile_sequences(corpus.held_out, context), model.LR[size])
 
 
 #: ``factory(size, global_batch, steps, seed, hidden=None)``; ``hidden`` overrides the widths.
