@@ -222,8 +222,10 @@ def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.A
   magnitude = (lambda: jnp.abs(values)) if by_magnitude else (lambda: values)
   size = values.shape[1]
   sample = min(SAMPLE, size // 16)
+  if size < MIN_FAST_SIZE:
+    return _exact(magnitude(), k)
   rank, slots = sample_plan(size, k, sample)
-  if size < MIN_FAST_SIZE or slots > size // 4:
+  if slots > size // 4:
     return _exact(magnitude(), k)
   positions = sample_positions(size, sample)
   bits = jax.lax.bitcast_convert_type(magnitude(), jnp.int32)
