@@ -100,11 +100,12 @@ def _rotate(blocks: jax.Array, shifts: jax.Array) -> jax.Array:
       doubled, shifts)
 
 
-def _blocks(size: int, width: int) -> tuple[int, int]:
-  """``(steps, blocks per step)`` of the loops over ``ceil(size / width)`` blocks."""
+def _blocks(size: int, width: int) -> tuple[int, int, int]:
+  """``(blocks, steps, blocks per step)``: the ``ceil(size / width)`` blocks (at least one)
+  and the loops over them."""
   total = -(-max(size, 1) // width)
   per_step = min(total, max(1, STEP // width))
-  return -(-total // per_step), per_step
+  return total, -(-total // per_step), per_step
 
 
 def median_of_rows(rows) -> jax.Array:
@@ -198,8 +199,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     next_key, hash_key = jax.random.split(state.key)
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
-    steps, per_step = _blocks(size, width)
-    total = -(-max(size, 1) // width)
+    total, steps, per_step = _blocks(size, width)
     values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
 
     def add_step(table, item):
@@ -218,8 +218,7 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    steps, per_step = _blocks(size, width)
-    total = -(-max(size, 1) // width)
+    total, steps, per_step = _blocks(size, width)
 
     def estimate_step(step):
       hashes = sketch_hashes(payload.key, step * per_step, per_step, total, width, depth)
