@@ -46,6 +46,7 @@ _SAMPLE_KEY = (0x5EED, 0x70B5)
 # backend, while its TopK kernel finds the 40th largest of 2,048 in ~18 us, the 327th of 970
 # in ~27 us and the 760th of 65,536 in ~0.45 ms (the search: 113 us, 71 us, 2.1 ms).
 TOP_K_MAX = 1024
+# Counters per row of the bitwise search's counting passes (see _radix_kth).
 LANES = 128
 # Deviations of the candidates' count between k, its expected value and the capacity.
 SIGMAS = 6
