@@ -23,4 +23,6 @@ def test_count_sketch_on_device_local_data_inside_shard_map_equals_outside():
     return roundtrip(x[0])[None]
 
   x = jax.random.normal(jax.random.PRNGKey(0), (8, 3000))
-  np.testing.assert_allclose(per_device(x), jax.vmap(roundtrip)(x), rtol=1e-6, atol=1e-6)
+  # The blocks' sums into a row are reduced in another order under vmap: float rounding,
+  # a few 1e-6 on estimates of order 1 (the scatter-adds before session 12 ran in one order).
+  np.testing.assert_allclose(per_device(x), jax.vmap(roundtrip)(x), rtol=1e-6, atol=1e-5)

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init
 from jaxcomm._src.validation import check_float, check_fraction
 from jaxcomm._src.compress.hashing import hash_bits
-from jaxcomm._src.compress.select import compact, count_true, kth_largest_bits, largest_k
+from jaxcomm._src.compress.select import bit_words, compact_words, kth_largest_bits, largest_k
 
 
 class ThresholdPayload(NamedTuple):
@@ -39,20 +39,24 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
     magnitude = jnp.abs(flat)
-    above = magnitude >= threshold_of(magnitude, key)
+    threshold = threshold_of(magnitude, key)
     slots = capacity_count(flat.shape[0], capacity)
     if slots == 0:
       empty = jnp.zeros((0,), jnp.float32)
       return ThresholdPayload(empty, empty.astype(jnp.int32), jnp.zeros((1,), jnp.int32)), state
-    passed = count_true(above[None])[0]
+    # The mask is packed into bit words once: their population counts give the count, and
+    # the same words the compaction (a mask kept for both was a d-byte temporary and a
+    # second packing pass).
+    words = bit_words(magnitude >= threshold)
+    passed = jnp.sum(jax.lax.population_count(words).astype(jnp.int32))
     # When they fit, the elements above the threshold are compacted in index order (linear
     # time); when more pass, the largest of them win the slots (exact linear-time top-k).
     # The compaction runs outside the conditional: XLA's CPU backend runs work inside a
     # branch several times slower.
-    fitting = compact(above, slots)
+    fitting = compact_words(words, flat.shape[0], slots)
     indices = jax.lax.cond(passed <= slots, lambda: fitting,
-                           lambda: largest_k(jnp.where(above, flat, 0.0), slots,
-                                             by_magnitude=True))
+                           lambda: largest_k(jnp.where(magnitude >= threshold, flat, 0.0),
+                                             slots, by_magnitude=True))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
     indices = jnp.where(used, indices, 0)
@@ -68,12 +72,19 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     dense = jnp.zeros(num_elements(shape), jnp.float32).at[payload.indices].add(values)
     return dense.reshape(shape)
 
+  def subtract_decoded(x: jax.Array, payload: ThresholdPayload) -> jax.Array:
+    # The sent values scattered into x (x + (-v) rounds as x - v; an unused slot adds -0.0 at
+    # position 0, which leaves any x unchanged) instead of decode's zeros and a subtraction.
+    used = jnp.arange(payload.values.shape[0]) < payload.count[0]
+    negated = jnp.where(used, -payload.values.astype(jnp.float32), -0.0)
+    return x.reshape(-1).at[payload.indices].add(negated).reshape(x.shape)
+
   def wire_bytes(shape, dtype) -> int:
     del dtype
     return 8 * capacity_count(num_elements(shape), capacity) + 4
 
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
-                    linear=False, unbiased=False, name=name)
+                    linear=False, unbiased=False, name=name, subtract_decoded=subtract_decoded)
 
 
 def threshold(value: float, *, capacity: float = 0.01) -> Compressor:

@@ -211,6 +211,14 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
     return scatter_sum(flat_indices(payloads, count, width), payloads.values,
                        count * width)[:size].reshape(shape)
 
+  def subtract_decoded(x: jax.Array, payload: ChunkedTopKPayload) -> jax.Array:
+    # As top-k's: k_c values scattered into x instead of decode's zeros and a subtraction;
+    # selected padding positions lie past x's end and are dropped.
+    count, width, _ = layout(x.size)
+    negated = -payload.values.astype(jnp.float32).reshape(-1)
+    return x.reshape(-1).at[flat_indices(payload, count, width).reshape(-1)].add(
+        negated, mode="drop").reshape(x.shape)
+
   def wire_bytes(shape, dtype) -> int:
     del dtype
     count, _, kept = layout(num_elements(shape))
@@ -219,4 +227,5 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False,
-                    name=f"topk({density:g}, chunk={chunk}{suffix})", decode_sum=decode_sum)
+                    name=f"topk({density:g}, chunk={chunk}{suffix})", decode_sum=decode_sum,
+                    subtract_decoded=subtract_decoded)
