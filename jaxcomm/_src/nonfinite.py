@@ -1,8 +1,8 @@
 """The non-finite policy: detecting a NaN or Inf and keeping state as it was.
 
 One home for every layer (compressors, collectives, optimizers): detection on this device
-(:func:`has_nonfinite`) or agreed by all devices with one 4-byte ``psum``
-(:func:`any_nonfinite`, :func:`agree`); the ``nonfinite=`` modes (``'skip'`` the whole step on every device,
+(:func:`has_nonfinite`) or agreed by all devices with one 4-byte ``psum`` (:func:`agree`,
+:func:`any_nonfinite`); the ``nonfinite=`` modes (``'skip'`` the whole step on every device,
 ``'zero'`` the bad entries, ``'propagate'``); keeping state as it was when its input was bad
 (:func:`keep_if`, or entry by entry :func:`keep_finite`). The optax wrappers built on it live
 in :mod:`jaxcomm.optim.nonfinite`.

@@ -276,10 +276,10 @@ class ReducedShards(NamedTuple):
       :func:`gather_back` turns into the mean.
     states: the new per-level states.
     nonfinite: bool scalars, not agreed between devices: whether this device's part of the
-      array holds a NaN or Inf, read where :func:`scattered_check_exact` allows on the shard
-      after the first dense level's reduce-scatter (then the devices of that level are
-      checked together, ``1/size`` of the data each), else on this device's input. ``True``
-      on some device exactly when some device's input holds a NaN or Inf.
+      array holds a NaN or Inf, read on the shard after the first dense level's
+      reduce-scatter where :func:`scattered_check_exact` allows (the level's devices are then
+      checked together, each on ``1/size`` of the data), else on this device's input.
+      ``True`` on some device exactly when some device's input holds a NaN or Inf.
   """
   shards: list
   states: list
@@ -296,8 +296,9 @@ def scattered_check_exact(levels: Sequence[Level], dtype: Any,
   devices averaged over: each input is divided by that device count ``N`` before the sum, so
   ``n <= N/2`` finite terms are at most half the dtype's largest value together (no overflow,
   whatever the rounding), while a NaN or Inf term leaves a NaN or Inf in the sum. Not for a
-  compressed first level, a narrower ``Level.dtype`` (its cast can overflow), nor an axis of
-  all ``N`` devices (``N`` terms of nearly ``max / N`` can round past the largest value).
+  compressed first level, a ``Level.dtype`` other than ``dtype`` (a narrower cast can
+  overflow), nor an axis of all ``N`` devices (``N`` terms of nearly ``max / N`` could round
+  past the largest value).
   """
   levels = [lv for lv in levels if not _done(lv)]
   if not levels or levels[0].compressor is not None:
@@ -331,8 +332,9 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
   require_axes(axes, "hierarchical_allreduce")
   shards = [_first_shard(x, levels) for x, levels in zip(xs, topologies)]
   new_states = [list(level_states) for level_states in states]
-  scattered_check = [scattered_check_exact(levels, x.dtype) for x, levels in zip(xs, topologies)]
-  nonfinite = [None if scattered else has_nonfinite(x) for x, scattered in zip(xs, scattered_check)]
+  # None: checked on the first dense level's shard below; else on the input, here.
+  nonfinite = [None if scattered_check_exact(levels, x.dtype) else has_nonfinite(x)
+               for x, levels in zip(xs, topologies)]
   for index, axis in enumerate(axes):
     axis_size = jax.lax.axis_size(axis)
     gathers: dict[strategies.Gather, list[int]] = {}
