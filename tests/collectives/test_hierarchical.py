@@ -138,12 +138,13 @@ TOPOLOGIES = {
 def test_nonfinite_flag_is_exact_on_every_device(name, bad):
   """The shard check (where allowed) flags exactly the steps the full check flags: one bad
   entry on one device, at any position (first, last, inside one device's shard), and never
-  finite inputs at the dtype's largest value on every device."""
+  finite inputs at the dtype's largest value on every device, nor an empty array."""
   (hosts, local), levels, dtype = TOPOLOGIES[name]
   mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
   largest = float(jnp.finfo(dtype).max)
   extremes = jnp.full((8, 37), largest, dtype).at[:, 1::2].set(-largest)
   np.testing.assert_array_equal(_agreed_checks(mesh, levels, extremes), False)
+  np.testing.assert_array_equal(_agreed_checks(mesh, levels, jnp.zeros((8, 0), dtype)), False)
   x = np.asarray(fast_random.normal(jax.random.PRNGKey(5), (8, 37)), np.float32)
   for device, position in [(0, 0), (5, 36), (3, 17), (7, 9)]:
     poisoned = x.copy()

@@ -332,8 +332,10 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
   require_axes(axes, "hierarchical_allreduce")
   shards = [_first_shard(x, levels) for x, levels in zip(xs, topologies)]
   new_states = [list(level_states) for level_states in states]
-  # None: checked on the first dense level's shard below; else on the input, here.
-  nonfinite = [None if scattered_check_exact(levels, x.dtype) else has_nonfinite(x)
+  # None: checked on the first dense level's shard below; else on the input, here. Empty
+  # inputs too: JAX drops their zero-size reduce-scatter, which cannot be lowered, unless a
+  # check reads it.
+  nonfinite = [None if x.size and scattered_check_exact(levels, x.dtype) else has_nonfinite(x)
                for x, levels in zip(xs, topologies)]
   for index, axis in enumerate(axes):
     axis_size = jax.lax.axis_size(axis)
