@@ -1,8 +1,8 @@
 """The non-finite policy: detecting a NaN or Inf and keeping state as it was.
 
 One home for every layer (compressors, collectives, optimizers): detection on this device
-(:func:`has_nonfinite`) or agreed by all devices with one 4-byte ``psum``
-(:func:`any_nonfinite`); the ``nonfinite=`` modes (``'skip'`` the whole step on every device,
+(:func:`has_nonfinite`) or agreed by all devices with one 4-byte ``psum`` (:func:`agree`,
+:func:`any_nonfinite`); the ``nonfinite=`` modes (``'skip'`` the whole step on every device,
 ``'zero'`` the bad entries, ``'propagate'``); keeping state as it was when its input was bad
 (:func:`keep_if`, or entry by entry :func:`keep_finite`). The optax wrappers built on it live
 in :mod:`jaxcomm.optim.nonfinite`.
@@ -44,8 +44,14 @@ def has_nonfinite(tree) -> jax.Array:
 
 
 def any_nonfinite(tree, axes: Sequence[str]) -> jax.Array:
-  """Replicated bool: some device's ``tree`` holds a NaN or Inf. One 4-byte ``psum`` over
-  ``axes`` (``2 (N-1)/N * 4`` bytes per device for ``N`` devices) of a float32 0 or 1.
+  """Replicated bool: some device's ``tree`` holds a NaN or Inf (:func:`has_nonfinite` on
+  each device, then :func:`agree`)."""
+  return agree(has_nonfinite(tree), axes)
+
+
+def agree(flag: jax.Array, axes: Sequence[str]) -> jax.Array:
+  """Replicated bool: the bool scalar ``flag`` holds on some device. One 4-byte ``psum``
+  over ``axes`` (``2 (N-1)/N * 4`` bytes per device for ``N`` devices) of a float32 0 or 1.
 
   A sum, not a max, and over ``axes`` in the mesh's order: then XLA combines it with the
   train step's loss ``pmean`` (:func:`jaxcomm.optim.data_parallel_step`) into one all-reduce,
@@ -54,7 +60,7 @@ def any_nonfinite(tree, axes: Sequence[str]) -> jax.Array:
   """
   names = jax.sharding.get_abstract_mesh().axis_names
   axes = tuple(sorted(axes, key=lambda axis: names.index(axis) if axis in names else len(names)))
-  return jax.lax.psum(has_nonfinite(tree).astype(jnp.float32), axes) > 0
+  return jax.lax.psum(flag.astype(jnp.float32), axes) > 0
 
 
 def zero_nonfinite(tree):

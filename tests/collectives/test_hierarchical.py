@@ -10,7 +10,9 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm.collectives import init_states, level
+from jaxcomm._src.collectives.hierarchical import reduce_shards, scattered_check_exact
+from jaxcomm._src.nonfinite import agree, any_nonfinite
+from jaxcomm.collectives import init_states, level, prescattered
 import fast_random
 
 AXES = ("host", "local")
@@ -106,3 +108,61 @@ def test_missing_axis_and_outside_shard_map_raise_clearly():
   with pytest.raises(ValueError, match="outside jax.shard_map"):
     jaxcomm.collectives.hierarchical_allreduce(jnp.zeros(3), (level("local"), level("host")), ((), ()),
                                    jax.random.PRNGKey(0))
+
+
+def _agreed_checks(mesh, levels, x):
+  """``(flag from reduce_shards, flag from every input)`` on every device, each agreed."""
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P(AXES), out_specs=P(AXES))
+  def run(x):
+    states = init_states(levels, x[0].size, x.dtype)
+    reduced = reduce_shards([x[0]], [levels], [states], [jax.random.PRNGKey(0)])
+    return jnp.stack([agree(reduced.nonfinite[0], AXES), any_nonfinite(x[0], AXES)])[None]
+
+  return np.asarray(run(x))
+
+
+TOPOLOGIES = {
+    "dense, bf16 input": ((2, 4), (level("local"), level("host")), jnp.bfloat16),
+    "sign over hosts": ((2, 4), (level("local"), level("host", jaxcomm.sign())), jnp.float32),
+    "one host": ((1, 8), (level("local"), level("host", jaxcomm.sign())), jnp.float32),
+    "fp16 dense level": ((2, 4), (level("local", dtype=jnp.float16), level("host")),
+                         jnp.float32),
+    "compressed first": ((4, 2), (level("host", jaxcomm.sign()), level("local")), jnp.float32),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_flag_is_exact_on_every_device(name, bad):
+  """The shard check (where allowed) flags exactly the steps the full check flags: one bad
+  entry on one device, at any position (first, last, inside one device's shard), and never
+  finite inputs at the dtype's largest value on every device, nor an empty array."""
+  (hosts, local), levels, dtype = TOPOLOGIES[name]
+  mesh = jaxcomm.make_mesh(hosts=hosts, local=local)
+  largest = float(jnp.finfo(dtype).max)
+  extremes = jnp.full((8, 37), largest, dtype).at[:, 1::2].set(-largest)
+  np.testing.assert_array_equal(_agreed_checks(mesh, levels, extremes), False)
+  np.testing.assert_array_equal(_agreed_checks(mesh, levels, jnp.zeros((8, 0), dtype)), False)
+  x = np.asarray(fast_random.normal(jax.random.PRNGKey(5), (8, 37)), np.float32)
+  for device, position in [(0, 0), (5, 36), (3, 17), (7, 9)]:
+    poisoned = x.copy()
+    poisoned[device, position] = bad
+    np.testing.assert_array_equal(_agreed_checks(mesh, levels, jnp.asarray(poisoned, dtype)),
+                                  True)
+
+
+def test_shard_check_is_used_where_exact_and_only_there():
+  sizes = {"host": 2, "local": 4}.__getitem__
+  dense = (level("local"), level("host", jaxcomm.sign()))
+  assert scattered_check_exact(dense, jnp.float32, sizes)
+  assert scattered_check_exact((level("local", dtype=jnp.float32), level("host")), jnp.float32,
+                               sizes)
+  assert not scattered_check_exact((level("local", dtype=jnp.float16), level("host")),
+                                   jnp.float32, sizes)
+  assert not scattered_check_exact((level("host", jaxcomm.sign()), level("local")), jnp.float32,
+                                   sizes)
+  assert not scattered_check_exact(dense, jnp.float32, {"host": 1, "local": 8}.__getitem__)
+  with prescattered(("local",)):  # the first dense level is done: check the input
+    assert not scattered_check_exact(dense, jnp.float32, sizes)

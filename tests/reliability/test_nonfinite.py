@@ -21,6 +21,8 @@ BAD_STEP, BAD_DEVICE = 2, 5
 CONFIGS = {
     "topk-gather": dict(compressor=jaxcomm.topk(0.2), strategy="gather"),
     "sign-two-phase": dict(compressor=jaxcomm.sign(), strategy="two_phase"),
+    "sign-ef21-gather": dict(compressor=jaxcomm.sign(), strategy="gather"),
+    "identity-linear": dict(compressor=jaxcomm.identity()),
 }
 
 

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from jaxcomm._src.accounting import NO_COST, Cost
 from jaxcomm._src.collectives import strategies
 from jaxcomm._src.mesh_axes import require_axes, vary
+from jaxcomm._src.nonfinite import has_nonfinite
 from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.validation import check_dtype, check_float_input
 
@@ -261,23 +262,68 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
   Returns:
     ``(means, new_states)``: one entry per array.
   """
-  shards, new_states = reduce_shards(xs, topologies, states, keys)
+  shards, new_states, _ = reduce_shards(xs, topologies, states, keys)
   return ([gather_back(shard, x, levels) for shard, x, levels in zip(shards, xs, topologies)],
           new_states)
 
 
-def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]],
-                  states: Sequence[tuple], keys: Sequence[jax.Array]
-                  ) -> tuple[list[jax.Array], list[tuple]]:
-  """:func:`hierarchical_allreduce_many` up to the dense levels' all-gathers.
+class ReducedShards(NamedTuple):
+  """What :func:`reduce_shards` returns, one entry per array in each field.
 
-  Returns:
-    ``(shards, new_states)``: per array, this device's shard of the mean (1-D, shaped and
-    varying like :func:`shard_zeros`, before any cast back to the array's dtype), which
-    :func:`gather_back` turns into the mean; and its new per-level states.
+  Attributes:
+    shards: this device's shard of the mean (1-D, shaped and varying like
+      :func:`shard_zeros`, before any cast back to the array's dtype), which
+      :func:`gather_back` turns into the mean.
+    states: the new per-level states.
+    nonfinite: bool scalars, not agreed between devices: whether this device's part of the
+      array holds a NaN or Inf, read on the shard after the first dense level's
+      reduce-scatter where :func:`scattered_check_exact` allows (the level's devices are then
+      checked together, each on ``1/size`` of the data), else on this device's input.
+      ``True`` on some device exactly when some device's input holds a NaN or Inf.
+  """
+  shards: list
+  states: list
+  nonfinite: list
+
+
+def scattered_check_exact(levels: Sequence[Level], dtype: Any,
+                          axis_size: Callable[[str], int] = _axis_size) -> bool:
+  """Whether a NaN or Inf in some device's input of ``dtype`` shows, entry for entry, in
+  the reduce-scattered shard of the first level of ``levels`` that is not
+  :func:`prescattered`, and a finite input never turns non-finite there.
+
+  True for a dense level that sums in the input's ``dtype`` over an axis of at most half the
+  devices averaged over: each input is divided by that device count ``N`` before the sum, so
+  ``n <= N/2`` finite terms are at most half the dtype's largest value together (no overflow,
+  whatever the rounding), while a NaN or Inf term leaves a NaN or Inf in the sum. Not for a
+  compressed first level, a ``Level.dtype`` other than ``dtype`` (a narrower cast can
+  overflow), nor an axis of all ``N`` devices (``N`` terms of nearly ``max / N`` could round
+  past the largest value).
+  """
+  levels = [lv for lv in levels if not _done(lv)]
+  if not levels or levels[0].compressor is not None:
+    return False
+  first = levels[0]
+  if first.dtype is not None and jnp.dtype(first.dtype) != jnp.dtype(dtype):
+    return False
+  total = 1
+  for lv in levels:
+    total *= axis_size(lv.axis)
+  return 2 * axis_size(first.axis) <= total
+
+
+def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]],
+                  states: Sequence[tuple], keys: Sequence[jax.Array]) -> ReducedShards:
+  """:func:`hierarchical_allreduce_many` up to the dense levels' all-gathers, with each
+  array's non-finite check (:class:`ReducedShards`; unused checks cost nothing: XLA drops
+  them).
+
+  The check on the reduce-scattered shard reads ``1/size`` of the input: on the char LM's
+  2x4 step, checking every full gradient instead cost sign+EF21 about 1 ms of CPU per step
+  (docs/collectives.md, session 12).
   """
   if not xs:  # an empty gradient tree: nothing to reduce
-    return [], []
+    return ReducedShards([], [], [])
   topologies = [check_levels(levels) for levels in topologies]
   axes = [lv.axis for lv in topologies[0]]
   if any([lv.axis for lv in levels] != axes for levels in topologies):
@@ -286,6 +332,11 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
   require_axes(axes, "hierarchical_allreduce")
   shards = [_first_shard(x, levels) for x, levels in zip(xs, topologies)]
   new_states = [list(level_states) for level_states in states]
+  # None: checked on the first dense level's shard below; else on the input, here. Empty
+  # inputs too: JAX drops their zero-size reduce-scatter, which cannot be lowered, unless a
+  # check reads it.
+  nonfinite = [None if x.size and scattered_check_exact(levels, x.dtype) else has_nonfinite(x)
+               for x, levels in zip(xs, topologies)]
   for index, axis in enumerate(axes):
     axis_size = jax.lax.axis_size(axis)
     gathers: dict[strategies.Gather, list[int]] = {}
@@ -296,6 +347,8 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
       strategy = resolve_level(lv, axis_size)
       if lv.compressor is None:
         shards[b] = strategy.scatter(shards[b], axis)
+        if nonfinite[b] is None:
+          nonfinite[b] = has_nonfinite(shards[b])
       elif axis_size == 1:
         shards[b] = jax.lax.psum(shards[b], axis)  # one device: a no-op that marks it reduced
       elif isinstance(strategy, strategies.Gather):
@@ -311,7 +364,7 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
                for b in members]
       for b, (shard, state) in zip(members, strategy.apply_many(items, axis)):
         shards[b], new_states[b][index] = shard, state
-  return shards, [tuple(level_states) for level_states in new_states]
+  return ReducedShards(shards, [tuple(level_states) for level_states in new_states], nonfinite)
 
 
 def shard_zeros(levels: Sequence[Level], size: int) -> jax.Array:

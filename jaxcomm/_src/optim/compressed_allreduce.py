@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -22,8 +23,8 @@ from jaxcomm._src.compress.error_feedback import (ErrorFeedbackState, EstimateFe
                                                   error_feedback, estimate_feedback)
 from jaxcomm._src.compress.policy import CompressionPolicy
 from jaxcomm._src.keys import as_key, check_seed
-from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_finite, keep_if,
-                                    zero_if, zero_nonfinite)
+from jaxcomm._src.nonfinite import (agree, check_nonfinite_mode, keep_finite, keep_if, zero_if,
+                                    zero_nonfinite)
 from jaxcomm._src.optim.powersgd import matrix_allreduce
 from jaxcomm._src.topology import HOST_AXIS, LOCAL_AXIS
 
@@ -208,9 +209,10 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
 
 def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
                     keys: list[jax.Array]):
-  """``(means, new level states, new estimates)`` of every bucket, in one engine call
-  (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
-  buckets' payloads in one collective).
+  """``(means, new level states, new estimates, nonfinite)`` of every bucket, in one engine
+  call (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
+  buckets' payloads in one collective); ``nonfinite`` is the bool scalar "some bucket holds a
+  NaN or Inf" of this device, not agreed (:class:`~jaxcomm.collectives.hierarchical.ReducedShards`).
 
   With an EF21 estimate the levels return this device's shard of the summed change of the
   devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
@@ -220,13 +222,14 @@ def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates
   """
   estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
   inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
-  shards, level_states = reduce_shards(inputs, topologies, level_states, keys)
+  shards, level_states, nonfinite = reduce_shards(inputs, topologies, level_states, keys)
   estimates = [estimate + shard if e else estimate
                for estimate, shard, e in zip(estimates, shards, estimated)]
   means = [gather_back(estimate if e else shard, x32, levels).astype(x.dtype)
            for x, x32, estimate, shard, levels, e
            in zip(packed, inputs, estimates, shards, topologies, estimated)]
-  return means, level_states, estimates
+  return (means, level_states, estimates,
+          functools.reduce(jnp.logical_or, nonfinite, jnp.zeros((), jnp.bool_)))
 
 
 def compressed_allreduce(
@@ -371,7 +374,7 @@ def compressed_allreduce(
     if nonfinite == "zero":
       leaves = zero_nonfinite(leaves)
     buckets = plan(grads)
-    bucket_means, new_states, estimates = _reduce_buckets(
+    bucket_means, new_states, estimates, nonfinite_here = _reduce_buckets(
         [bucketing.pack(leaves, bucket) for bucket in buckets],
         [topologies[bucket.group] for bucket in buckets],
         _cast_residuals(state.level_states, jnp.float32), state.estimates,
@@ -386,7 +389,7 @@ def compressed_allreduce(
         estimates=keep_finite(tuple(estimates), state.estimates), level_states=new_states,
         key=key, count=state.count + 1, skipped_steps=state.skipped_steps)
     if nonfinite == "skip":
-      skip = any_nonfinite(leaves, axes)
+      skip = agree(nonfinite_here, axes)
       new_state = keep_if(skip, state, new_state)._replace(
           skipped_steps=state.skipped_steps + skip)
       means = zero_if(skip, means)
