@@ -35,10 +35,10 @@ from models.transformer import TransformerConfig, TransformerLM, make_attention,
 
 #: Model sizes. ``default``: 2 layers, width 64, 4 heads of 16, MLP 256, 32-byte context
 #: (115,648 parameters); ``large``: 3 layers, width 256, 4 heads of 64, MLP 1,024, the same
-#: context (2,430,464 parameters), the size of ``mesh_scan --profile lm-large``. 4 layers with a 64-byte context and 4 windows per device took 291 ms
-#: per fp32 step on the 2x4 CPU mesh, 2 layers with 2 windows 108 ms (both on 2 shared cores):
-#: the 14-method x 2-seed table needs the small one (docs/results.md: its 300-step form took
-#: 70 minutes there).
+#: context (2,430,464 parameters), the size of ``mesh_scan --profile lm-large``. 4 layers
+#: with a 64-byte context and 4 windows per device took 291 ms per fp32 step on the 2x4 CPU
+#: mesh, 2 layers with 2 windows 108 ms (both on 2 shared cores): the 14-method x 2-seed
+#: table needs the small one (docs/results.md: its 300-step form took 70 minutes there).
 SIZES = {
     "quick": TransformerConfig(vocab_size=VOCAB, d_model=32, num_heads=2, num_kv_heads=2,
                                num_layers=1, mlp_dim=128),

@@ -26,9 +26,9 @@ import jax.numpy as jnp
 
 from jaxcomm._src.accounting import NO_COST, Cost
 from jaxcomm._src.collectives import strategies
+from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.mesh_axes import require_axes, vary
 from jaxcomm._src.nonfinite import has_nonfinite
-from jaxcomm._src.compress.base import Compressor
 from jaxcomm._src.validation import check_dtype, check_float_input
 
 DENSE_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)

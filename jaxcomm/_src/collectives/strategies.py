@@ -501,8 +501,10 @@ PREFERRED_GATHER = {"cpu": "all_gather", "gpu": "all_gather", "tpu": "all_gather
 
 # Which reduce-scatter a dense level runs, by backend and whether the job spans several
 # processes. Across processes the CPU backend runs every collective through gloo over TCP, the
-# two devices of one process included, and gloo's reduce-scatter took 1.5-2x its all-reduce of
-# the same data (docs/slow_link.md, session 11).
+# two devices of one process included, and gloo's reduce-scatter alone took 1.5-2x its
+# all-reduce of the same data (docs/slow_link.md, session 11); in the whole step the psum
+# way in was 0-8% faster, inside the noise, and fp32-hier's step did not move
+# (docs/collectives.md, session 12), so the reduce-scatter stays.
 PREFERRED_SCATTER = {("cpu", True): "reduce_scatter"}
 
 

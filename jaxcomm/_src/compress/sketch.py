@@ -154,11 +154,11 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   the same on every device, new at every step, so one step's error is not repeated at the
   next (with fixed hashes every decoded step of one row lies in the same ``width``-dimensional
   subspace). One row without ``heavy`` is unbiased over the hash draw, with error variance up
-  to ``||x||_2^2 / width`` per element (``0`` for ``d <= width``): more than ``||x||^2`` in all unless ``width >= d``,
-  so it is not contractive and is flagged ``unbiased=False`` (error feedback in front of it
-  would grow without bound); the median and the selection are biased. With
-  ``width >= 3 / eps^2`` the median errs by more than ``eps ||x||_2`` with probability at most
-  ``exp(-depth / 18)`` per element.
+  to ``||x||_2^2 / width`` per element (``0`` for ``d <= width``): more than ``||x||^2`` in
+  all unless ``width >= d``, so it is not contractive and is flagged ``unbiased=False``
+  (error feedback in front of it would grow without bound); the median and the selection are
+  biased. With ``width >= 3 / eps^2`` the median errs by more than ``eps ||x||_2`` with
+  probability at most ``exp(-depth / 18)`` per element.
 
   Bytes: ``4 * depth * width + 8``, independent of ``d``.
 

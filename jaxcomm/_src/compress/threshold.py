@@ -124,8 +124,9 @@ def adaptive_threshold(density: float, *, capacity: float | None = None,
   """Threshold sparsification whose threshold targets a density, estimated from a sample (DGC).
 
   Each call draws ``m = max(1, ceil(sample * d))`` positions at random (with replacement, by
-  hashing the ``encode`` key, :mod:`~jaxcomm.compress.hashing`) and takes as threshold the ``max(1, floor(density * m))``-th largest
-  magnitude of the sample, so about ``density * d`` elements pass. The payload has static
+  hashing the ``encode`` key, :mod:`~jaxcomm.compress.hashing`) and takes as threshold the
+  ``max(1, floor(density * m))``-th largest magnitude of the sample, so about ``density * d``
+  elements pass. The payload has static
   capacity ``capacity * d`` (default ``2 * density``, capped at 1); elements that pass beyond it
   are left to the residual, as in :func:`threshold`.
 
