@@ -77,10 +77,13 @@ def compact(mask: jax.Array, count: int) -> jax.Array:
 
   The mask is packed into uint32 words (one fused pass over ``d``), counted per word by
   ``population_count``, and the ``d / 32`` counts are prefix-summed (``associative_scan``:
-  XLA's CPU ``cumsum`` costs ~20 ns per element). Output slot ``r`` then finds its word by a
-  binary search of ``r`` in those prefix sums and its bit by :func:`_select_bit`. Work: one
-  pass over ``mask`` plus ``O(log(d / 32))`` per slot, no scatter. Slots beyond the number of
-  ``True`` give ``d``.
+  XLA's CPU ``cumsum`` costs ~20 ns per element). Output slot ``r`` then finds its word as
+  the number of words whose prefix sum is at most ``r``: a 1 is scattered at each word's
+  prefix sum and the ``count`` marks are prefix-summed (a binary search of every slot in the
+  prefix sums, ``log2(d / 32)`` gathers per slot, took three times as long: 32,768 elements,
+  2,009 slots: 155 against 48 us; 256 rows of 65,536: 17.7 against 5.7 ms). Its bit is
+  found by :func:`_select_bit`. Work: one pass over ``mask``, a scatter of ``d / 32`` marks
+  and ``O(1)`` per slot. Slots beyond the number of ``True`` give ``d``.
 
   Args:
     mask: bool of shape ``(d,)``.
@@ -97,8 +100,10 @@ def compact_words(words: jax.Array, size: int, count: int) -> jax.Array:
   (uint32 of shape ``(ceil(size / 32),)``); slots beyond its ``True`` give ``size``."""
   counts = jax.lax.population_count(words).astype(jnp.int32)
   ends = jax.lax.associative_scan(jnp.add, counts)
+  # searchsorted(ends, r, side="right") for every slot r: words ending at or before r.
+  marks = jnp.zeros(count, jnp.int32).at[ends].add(1, mode="drop")
+  word = jnp.minimum(jax.lax.associative_scan(jnp.add, marks), words.shape[0] - 1)
   ranks = jnp.arange(count, dtype=jnp.int32)
-  word = jnp.minimum(jnp.searchsorted(ends, ranks, side="right"), words.shape[0] - 1)
   bit = _select_bit(words[word], ranks - (ends[word] - counts[word]))
   return jnp.where(ranks < ends[-1], word * WORD + bit, size).astype(jnp.int32)
 
