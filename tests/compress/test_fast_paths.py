@@ -72,6 +72,22 @@ def test_compact_matches_nonzero(size):
   np.testing.assert_array_equal(positions[len(expected):], size)
 
 
+@settings(max_examples=25, deadline=None)
+@given(size=st.integers(1, 300), density=st.sampled_from([0.0, 0.02, 0.3, 0.9, 1.0]),
+       extra=st.integers(-40, 40), seed=st.integers(0, 2**16))
+def test_compact_takes_the_first_count_positions_of_each_row(size, density, extra, seed):
+  # Fewer slots than True (marks past the last slot are dropped) and more (the rest give size),
+  # one row and a vmapped batch of three, whose words end at different slots.
+  masks = np.random.default_rng(seed).random((3, size)) < density
+  count = max(0, int(masks[0].sum()) + extra)
+  positions = np.asarray(jax.jit(jax.vmap(lambda mask: compact(mask, count)))(masks))
+  for mask, row in zip(masks, positions):
+    expected = np.nonzero(mask)[0][:count]
+    np.testing.assert_array_equal(row, np.pad(expected, (0, count - len(expected)),
+                                              constant_values=size))
+  np.testing.assert_array_equal(jax.jit(compact, static_argnums=1)(masks[0], count), positions[0])
+
+
 @pytest.mark.parametrize("size,k", [(1000, 1), (1000, 327), (3000, TOP_K_MAX),
                                     (3000, TOP_K_MAX + 1)])
 def test_kth_largest_bits_of_a_row_with_empty_slots_and_ties(size, k):
