@@ -10,7 +10,8 @@ largest magnitudes, ties to the lower index) with work linear in ``d``:
    probability (:func:`sample_plan`: six standard deviations of ``c`` on either side);
 2. the ``c`` candidates are compacted, in index order, into a buffer of static size
    ``capacity`` (:func:`compact`: bit words, population counts, a prefix sum over ``d / 32``
-   word counts and a binary search per slot; no scatter, no prefix sum over ``d``);
+   word counts, and each slot's word from a scatter of ``d / 32`` marks prefix-summed over the
+   slots; no prefix sum over ``d``);
 3. the ``k``-th largest candidate bit pattern ``T`` is found exactly (:func:`kth_largest_bits`:
    ``jax.lax.top_k`` for one row and ``k <= TOP_K_MAX``, else a 31-step binary search on the
    bits; non-negative float32 values order like their int32 bits), and the buffer
