@@ -64,6 +64,44 @@ def test_orthogonalize_propagates_non_finite_entries(value, position):
   assert not np.all(np.isfinite(np.asarray(jnp.ones((5, 9)) @ result)))
 
 
+@settings(max_examples=12, deadline=None)
+@given(blocks=st.integers(2, 5), extra=st.sampled_from([0, 0, 37]), m=st.integers(1, 70),
+       rank=st.integers(1, 4), batch=st.sampled_from([(), (2,)]), seed=st.integers(0, 2**16))
+def test_blocked_projection_equals_the_plain_product(blocks, extra, m, rank, batch, seed):
+  """``project_rows`` over blocks of rows (``n`` a multiple of the block) and in one product
+  (other ``n``) against float64, and against the plain float32 product up to rounding."""
+  from jaxcomm._src.compress.powersgd import PROJECT_BLOCK, project_rows
+  n = blocks * PROJECT_BLOCK + extra
+  keys = jax.random.split(jax.random.PRNGKey(seed))
+  rows = jax.random.normal(keys[0], batch + (n, m))
+  q = jax.random.normal(keys[1], batch + (n, rank))
+  expected = np.einsum("...ko,...kr->...or", np.asarray(rows, np.float64),
+                       np.asarray(q, np.float64))
+  got = np.asarray(jax.jit(project_rows)(rows, q))
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
+  plain = np.asarray(jnp.einsum("...ko,...kr->...or", rows, q))
+  np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.sampled_from([(512, 256), (3, 3, 64, 32), (700, 30), (8, 16), (20,), (4, 4)]),
+       rank=st.integers(1, 4), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_powersgd_subtract_decoded_is_x_minus_decode_bit_for_bit(shape, rank, dtype, seed):
+  """The fused ``x - P Q^T`` of error feedback equals ``x - decode(payload)`` exactly, and the
+  decode equals the factors' product up to rounding."""
+  compressor = powersgd(rank)
+  x = jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype).astype(jnp.float32)
+  payload, _ = jax.jit(lambda x, s: compressor.encode(x, s, None))(
+      x, compressor.init(shape, jnp.float32))
+  fused = jax.jit(compressor.subtract_decoded)(x, payload)
+  plain = jax.jit(lambda x, p: x - compressor.decode(p, x.shape))(x, payload)
+  np.testing.assert_array_equal(fused, plain)
+  if len(shape) >= 2 and compressor.wire_bytes(shape, jnp.float32) < 4 * x.size:
+    product = from_matrix(payload.p @ payload.q.T, shape)
+    np.testing.assert_allclose(compressor.decode(payload, shape), product, rtol=1e-5, atol=1e-5)
+
+
 def test_conv_kernel_matrix_view_round_trips():
   kernel = jnp.arange(3 * 3 * 4 * 8, dtype=jnp.float32).reshape(3, 3, 4, 8)
   matrix = to_matrix(kernel)
