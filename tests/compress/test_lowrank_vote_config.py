@@ -40,8 +40,8 @@ def _gram_schmidt(p, epsilon=1e-8):
 @given(m=st.integers(1, 40), rank=st.integers(1, 4), seed=st.integers(0, 2**16),
                   batch=st.integers(1, 3))
 def test_orthogonalize_is_gram_schmidt_up_to_rounding(m, rank, seed, batch):
-  """The Householder QR's columns against Gram-Schmidt's in float64 (well-conditioned: a
-  random matrix with at least as many rows as columns), and each matrix of a batch as alone."""
+  """Batched columns against Gram-Schmidt's in float64 (well-conditioned: a random matrix with
+  at least as many rows as columns), and each matrix of a batch as alone."""
   p = jax.random.normal(jax.random.PRNGKey(seed), (batch, m, rank))
   q = np.asarray(orthogonalize(p))
   assert q.shape == (batch, m, rank)
@@ -57,7 +57,7 @@ def test_orthogonalize_is_gram_schmidt_up_to_rounding(m, rank, seed, batch):
 @pytest.mark.parametrize("position", [(0, 0), (4, 1), (8, 2), (3, 2)])
 def test_orthogonalize_propagates_non_finite_entries(value, position):
   """A NaN or Inf anywhere in ``p`` leaves one in the result, and so in ``M^T P`` for any
-  finite ``M``: the collective's non-finite check on ``Q`` relies on it."""
+  finite ``M``: the collective's check of the approximation relies on it."""
   p = jax.random.normal(jax.random.PRNGKey(1), (9, 3)).at[position].set(value)
   result = orthogonalize(p)
   assert not np.all(np.isfinite(np.asarray(result)))

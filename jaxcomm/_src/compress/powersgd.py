@@ -134,30 +134,21 @@ def back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
 
 
 def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
-  """Orthonormalized columns of ``p`` (shape ``(..., m, r)``, leading axes a batch of
-  matrices), each scaled by ``|R_jj| / (|R_jj| + epsilon)``: Gram-Schmidt's result, computed
-  by a Householder QR (``p = Q R``, signs chosen so that ``R``'s diagonal is >= 0).
+  """Gram-Schmidt on the columns of ``p`` (shape ``(..., m, r)``, leading axes a batch of
+  matrices), dividing by ``norm + epsilon``.
 
-  Gram-Schmidt divides column ``j``'s part orthogonal to the previous ones, of norm
-  ``|R_jj|``, by ``|R_jj| + epsilon``; this is ``Q``'s column times that factor. The epsilon
-  keeps a rank-deficient ``p`` finite: a zero column stays zero instead of becoming NaN (a
-  dependent column keeps only rounding noise, scaled to norm at most 1). Every column has norm
-  at most 1 and the columns are orthogonal, so ``p p^T`` is a contraction and
+  The epsilon keeps a rank-deficient ``p`` finite: a zero column stays zero instead of
+  becoming NaN (a dependent column keeps only rounding noise, scaled to norm at most 1). Every
+  column has norm at most 1 and the columns are orthogonal, so ``p p^T`` is a contraction and
   ``||M - p p^T M|| <= ||M||``. A NaN or Inf in ``p`` leaves a NaN or Inf in the result.
-
-  Why QR: on XLA's CPU backend the unrolled Gram-Schmidt ran each of its ``r (r + 1) / 2``
-  reductions as two to three kernels (37 for ``r = 4``, ``m = 256``), the LAPACK QR as two
-  calls and three fusions; and Householder columns stay orthogonal to working precision
-  where Gram-Schmidt's lose orthogonality in proportion to ``p``'s condition number. The two
-  agree up to float rounding on well-conditioned ``p``.
   """
-  m, rank = p.shape[-2:]
-  # A reduced QR has min(m, r) columns; zero rows up to r give r (the extra columns are
-  # rounding noise times at most 1, as Gram-Schmidt's dependent columns are).
-  rows = jnp.pad(p, [(0, 0)] * (p.ndim - 2) + [(0, max(rank - m, 0)), (0, 0)])
-  q, r = jnp.linalg.qr(rows)
-  diagonal = jnp.diagonal(r, axis1=-2, axis2=-1)
-  return q[..., :m, :] * (diagonal / (jnp.abs(diagonal) + epsilon))[..., None, :]
+  columns = []
+  for index in range(p.shape[-1]):
+    column = p[..., index]
+    for previous in columns:
+      column = column - jnp.einsum("...m,...m->...", previous, column)[..., None] * previous
+    columns.append(column / (jnp.linalg.norm(column, axis=-1, keepdims=True) + epsilon))
+  return jnp.stack(columns, axis=-1)
 
 
 def initial_q(key: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
