@@ -163,9 +163,9 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   assert report.bytes_per_axes()[("host",)] == pytest.approx(
       2 * (2 - 1) / 2 * (factor_bytes + 4 * 48))
   # The gradient's reduce-scatter and the approximation's all-gather, the all-reduces of P's
-  # parts and of Q's column norms with the non-finite flag, the dense bias
+  # parts and of Q's squared column norms (which also tell a non-finite step), the dense bias
   assert report.bytes_per_axes()[("local",)] == pytest.approx(
-      3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 1 + 48))
+      3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 48))
 
 
 def test_non_finite_gradients_leave_the_state_finite():

@@ -7,8 +7,9 @@ does the power iteration's work on that block only. For ``H`` hosts each device 
 and factorized leaf:
 
 * fast axis: a reduce-scatter of the gradient, ``(G-1)/G D'``; an all-reduce of its part of
-  ``P``, ``2 (G-1)/G 4 r m``; an all-reduce of ``r + 1`` floats (``Q``'s column norms and a
-  non-finite flag), ``2 (G-1)/G 4 (r + 1)``; an all-gather of the approximation, ``(G-1)/G D'``;
+  ``P``, ``2 (G-1)/G 4 r m``; an all-reduce of ``r`` floats (``Q``'s squared column norms,
+  which also tell a non-finite step), ``2 (G-1)/G 4 r``; an all-gather of the approximation,
+  ``(G-1)/G D'``;
 * slow axis: all-reduces of ``P`` (``m x r``) and of this device's block of ``Q``
   (``c x r``), ``2 (H-1)/H * 4 r (m + c)``.
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from jaxcomm._src.compress.powersgd import (approximation_rows, as_rows, back_project_rows,
                                             orthogonalize, project_rows)
-from jaxcomm._src.nonfinite import has_nonfinite, keep_if
+from jaxcomm._src.nonfinite import keep_if
 
 
 class PowerSGDLeafState(NamedTuple):
@@ -147,16 +148,20 @@ def _factor_group(corrected, warm, p, states, *, fast_axis: str, slow_axis: str,
   (``(k, m, r)``): the rows of the approximation ``(k, c, m)`` and the new states."""
   q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
   approx = approximation_rows(p, q)
-  # One all-reduce over the fast axis gives Q's squared column norms and whether any device's
-  # rows of the approximation are not finite (a NaN anywhere poisons the summed factors).
-  flags = jnp.stack([has_nonfinite(rows) for rows in approx]).astype(jnp.float32)
-  totals = jax.lax.psum(jnp.concatenate([jnp.sum(q * q, axis=1), flags[:, None]], axis=1),
-                        fast_axis)
-  next_q = jnp.where(totals[:, None, :-1] > 0, q, warm)
+  # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
+  # whether the step was bad, with no pass over the approximation: a NaN or Inf in any
+  # device's block or residual makes its rows of P = sum A_g^T Q_g non-finite (NaN * x and
+  # Inf * 0 are NaN, Inf * x is +-Inf, and a sum with a NaN or Inf is not finite), P is summed
+  # over every device, Gram-Schmidt spreads it to every column, and Q = A_g P takes it into
+  # every device's rows; the norms then are NaN or Inf. Non-finite norms with finite
+  # entries take |Q| above ~1.8e19, where the approximation Q P^T (|P| <= 1) is within a
+  # factor r of overflowing too.
+  totals = jax.lax.psum(jnp.sum(q * q, axis=1), fast_axis)
+  next_q = jnp.where(totals[:, None, :] > 0, q, warm)
   hosts = jax.lax.axis_size(slow_axis)
   new_states = []
   for slot, state in enumerate(states):
     residual = corrected[slot] - approx[slot] / hosts if feedback else state.residual
-    new_states.append(keep_if(totals[slot, -1] > 0, state,
+    new_states.append(keep_if(~jnp.all(jnp.isfinite(totals[slot])), state,
                               PowerSGDLeafState(q=next_q[slot], residual=residual)))
   return approx, new_states
