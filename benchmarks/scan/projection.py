@@ -64,6 +64,6 @@ def powersgd(shapes: Iterable[Shape], hosts: int, local: int, rank: int,
       messages.append(4 * math.prod(shape))
   for (rows, cols), count in stacked.items():
     fast = (fast + ring_cost("all-reduce", 4 * rank * rows * count, local)
-            + ring_cost("all-reduce", 4 * (rank + 1) * count, local))
+            + ring_cost("all-reduce", 4 * rank * count, local))
     messages += [4 * rank * rows * count, 4 * rank * block_rows(cols, local) * count]
   return Traffic(fast, sum((ring_cost("all-reduce", m, hosts) for m in messages), NO_COST))

@@ -277,3 +277,22 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
   payload, _ = jax.jit(terngrad().encode)(x, (), key)
   np.testing.assert_array_equal(payload.codes, plain(x))
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@given(size=st.integers(1, 5000), chunk=st.sampled_from([None, 1, 3, 64, 512, 4096]),
+       seed=st.integers(0, 2**16))
+def test_l2_norms_in_steps_equal_the_row_reduction(size, chunk, seed):
+  """The looped per-chunk norms are the whole array's row norms, bit for bit (a small
+  ``NORM_STEP`` would change only the loop's length, so the default's remainder handling is
+  what short inputs test)."""
+  flat = jax.random.normal(jax.random.PRNGKey(seed), (size,)) * 3.0
+  expected = jnp.linalg.norm(chunks.to_chunks(flat, chunk), axis=1)
+  np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, chunk), expected)
+
+
+def test_l2_norms_over_several_steps_with_a_remainder():
+  """2.5 steps' worth of 512-element chunks: the batched loop and its remainder."""
+  flat = jax.random.normal(KEY, (5 * chunks.NORM_STEP // 2 + 700,))
+  expected = jnp.linalg.norm(chunks.to_chunks(flat, 512), axis=1)
+  np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, 512), expected)

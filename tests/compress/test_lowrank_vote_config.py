@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, back_project, cast, compose, count_sketch,
                               majority_vote, orthogonalize, powersgd, project, qsgd, quantize,
@@ -21,6 +23,83 @@ def test_orthogonalize_gives_orthonormal_columns_and_survives_rank_deficiency():
   np.testing.assert_allclose(deficient[:, 0], q[:, 0], atol=1e-6)
   np.testing.assert_array_equal(deficient[:, 2], 0.0)
   assert np.all(np.linalg.norm(deficient, axis=0) <= 1.0 + 1e-6)
+
+
+def _gram_schmidt(p, epsilon=1e-8):
+  """The textbook modified Gram-Schmidt with ``norm + epsilon``, in float64."""
+  columns = []
+  for index in range(p.shape[1]):
+    column = np.asarray(p[:, index], np.float64)
+    for previous in columns:
+      column = column - np.dot(previous, column) * previous
+    columns.append(column / (np.linalg.norm(column) + epsilon))
+  return np.stack(columns, axis=1)
+
+
+@settings(max_examples=25, deadline=None)
+@given(m=st.integers(1, 40), rank=st.integers(1, 4), seed=st.integers(0, 2**16),
+                  batch=st.integers(1, 3))
+def test_orthogonalize_is_gram_schmidt_up_to_rounding(m, rank, seed, batch):
+  """Batched columns against Gram-Schmidt's in float64 (well-conditioned: a random matrix with
+  at least as many rows as columns), and each matrix of a batch as alone."""
+  p = jax.random.normal(jax.random.PRNGKey(seed), (batch, m, rank))
+  q = np.asarray(orthogonalize(p))
+  assert q.shape == (batch, m, rank)
+  for index in range(batch):
+    np.testing.assert_allclose(q[index], np.asarray(orthogonalize(p[index])), atol=1e-6)
+    if m >= rank:
+      np.testing.assert_allclose(q[index], _gram_schmidt(np.asarray(p[index])), atol=2e-4)
+      np.testing.assert_allclose(q[index].T @ q[index], np.eye(rank), atol=1e-5)
+    assert np.all(np.linalg.norm(q[index], axis=0) <= 1.0 + 1e-6)
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("position", [(0, 0), (4, 1), (8, 2), (3, 2)])
+def test_orthogonalize_propagates_non_finite_entries(value, position):
+  """A NaN or Inf anywhere in ``p`` leaves one in the result, and so in ``M^T P`` for any
+  finite ``M``: the collective's check of the approximation relies on it."""
+  p = jax.random.normal(jax.random.PRNGKey(1), (9, 3)).at[position].set(value)
+  result = orthogonalize(p)
+  assert not np.all(np.isfinite(np.asarray(result)))
+  assert not np.all(np.isfinite(np.asarray(jnp.ones((5, 9)) @ result)))
+
+
+@settings(max_examples=12, deadline=None)
+@given(blocks=st.integers(2, 5), extra=st.sampled_from([0, 0, 37]), m=st.integers(1, 70),
+       rank=st.integers(1, 4), batch=st.sampled_from([(), (2,)]), seed=st.integers(0, 2**16))
+def test_blocked_projection_equals_the_plain_product(blocks, extra, m, rank, batch, seed):
+  """``project_rows`` over blocks of rows (``n`` a multiple of the block) and in one product
+  (other ``n``) against float64, and against the plain float32 product up to rounding."""
+  from jaxcomm._src.compress.powersgd import PROJECT_BLOCK, project_rows
+  n = blocks * PROJECT_BLOCK + extra
+  keys = jax.random.split(jax.random.PRNGKey(seed))
+  rows = jax.random.normal(keys[0], batch + (n, m))
+  q = jax.random.normal(keys[1], batch + (n, rank))
+  expected = np.einsum("...ko,...kr->...or", np.asarray(rows, np.float64),
+                       np.asarray(q, np.float64))
+  got = np.asarray(jax.jit(project_rows)(rows, q))
+  np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
+  plain = np.asarray(jnp.einsum("...ko,...kr->...or", rows, q))
+  np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-3)
+
+
+@settings(max_examples=12, deadline=None)
+@given(shape=st.sampled_from([(512, 256), (3, 3, 64, 32), (700, 30), (8, 16), (20,), (4, 4)]),
+       rank=st.integers(1, 4), dtype=st.sampled_from([jnp.float32, jnp.bfloat16]),
+       seed=st.integers(0, 2**16))
+def test_powersgd_subtract_decoded_is_x_minus_decode_bit_for_bit(shape, rank, dtype, seed):
+  """The fused ``x - P Q^T`` of error feedback equals ``x - decode(payload)`` exactly, and the
+  decode equals the factors' product up to rounding."""
+  compressor = powersgd(rank)
+  x = jax.random.normal(jax.random.PRNGKey(seed), shape).astype(dtype).astype(jnp.float32)
+  payload, _ = jax.jit(lambda x, s: compressor.encode(x, s, None))(
+      x, compressor.init(shape, jnp.float32))
+  fused = jax.jit(compressor.subtract_decoded)(x, payload)
+  plain = jax.jit(lambda x, p: x - compressor.decode(p, x.shape))(x, payload)
+  np.testing.assert_array_equal(fused, plain)
+  if len(shape) >= 2 and compressor.wire_bytes(shape, jnp.float32) < 4 * x.size:
+    product = from_matrix(payload.p @ payload.q.T, shape)
+    np.testing.assert_allclose(compressor.decode(payload, shape), product, rtol=1e-5, atol=1e-5)
 
 
 def test_conv_kernel_matrix_view_round_trips():

@@ -8,6 +8,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
                               identity, natural, pack_bits, packed_nbytes, payload_nbytes,
@@ -15,7 +17,7 @@ from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, e
                               sum_payloads, terngrad, threshold, topk, unpack_bits)
 from jaxcomm._src.collectives.strategies import over_axis
 from jaxcomm._src.compress.base import AxisContext, combining
-from jaxcomm._src.compress.sketch import sketch_hashes
+from jaxcomm._src.compress.sketch import median_of_rows, sketch_hashes
 
 SIZE = 16
 SAMPLES = 4000
@@ -264,7 +266,8 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
 
 
 @pytest.mark.parametrize("size,width,depth,seed", [(1000, 64, 3, 0), (2501, 7, 1, 1),
-                                                   (300, 512, 5, 2), (1200, 100, 33, 3)])
+                                                   (300, 512, 5, 2), (1200, 100, 33, 3),
+                                                   (700, 50, 64, 4)])
 def test_count_sketch_adds_each_block_rotated_with_signs(size, width, depth, seed):
   """Table and estimates against a dense reference of the documented hashes: element
   ``b width + p`` goes to bucket ``(p + shifts[j, b]) mod width`` of row ``j`` with the sign of
@@ -284,14 +287,25 @@ def test_count_sketch_adds_each_block_rotated_with_signs(size, width, depth, see
     np.add.at(table[row], buckets, signs * x)
     estimates[row] = signs * np.asarray(payload.table[row], np.float64)[buckets]
   np.testing.assert_allclose(payload.table, table, rtol=1e-5, atol=1e-4)
-  # Signs of rows 32 on come from a second word. Decoding 33 rows (a 528-step median
-  # network) ran out of memory compiling under the suite's classic CPU emitters.
-  if depth > 32:
-    return
+  # Signs of rows 32 on come from a second word; medians of more than 32 rows are sorted (a
+  # 528-step network for 33 rows ran out of memory compiling).
   np.testing.assert_allclose(compressor.decode(payload, (size,)), np.median(estimates, axis=0),
                              rtol=1e-5, atol=1e-5)
   if size <= width:  # one block: no collisions, an exact round trip
     np.testing.assert_allclose(compressor.decode(payload, (size,)), x, rtol=1e-6)
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None)
+@given(depth=st.sampled_from([1, 2, 5, 8, 31, 32, 33, 34, 64]), n=st.integers(1, 40),
+       ties=st.booleans(), seed=st.integers(0, 2**16))
+def test_median_of_rows_network_and_sort_equal_numpy(depth, n, ties, seed):
+  """The sorting network (up to ``NETWORK_DEPTH`` rows) and the sort (deeper) both return
+  numpy's median exactly, ties included."""
+  rows = np.random.default_rng(seed).standard_normal((depth, n)).astype(np.float32)
+  if ties:
+    rows = np.round(rows)
+  got = jax.jit(median_of_rows)(jnp.asarray(rows))
+  np.testing.assert_array_equal(got, np.median(rows, axis=0).astype(np.float32))
 
 
 def test_count_sketch_draws_new_hashes_each_step_and_one_row_is_unbiased_over_steps():

@@ -163,9 +163,9 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   assert report.bytes_per_axes()[("host",)] == pytest.approx(
       2 * (2 - 1) / 2 * (factor_bytes + 4 * 48))
   # The gradient's reduce-scatter and the approximation's all-gather, the all-reduces of P's
-  # parts and of Q's column norms with the non-finite flag, the dense bias
+  # parts and of Q's squared column norms (which also tell a non-finite step), the dense bias
   assert report.bytes_per_axes()[("local",)] == pytest.approx(
-      3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 1 + 48))
+      3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 48))
 
 
 def test_non_finite_gradients_leave_the_state_finite():
@@ -175,6 +175,28 @@ def test_non_finite_gradients_leave_the_state_finite():
   run, state = _stepper(mesh, tx, {"w": grads["w"][0]}, steps=1)
   _, new_state = run(grads, state)
   chex.assert_tree_all_finite(new_state.leaves[0])
+
+
+@pytest.mark.parametrize("value", [np.nan, np.inf, -np.inf])
+@pytest.mark.parametrize("device, index", [(3, (0, 0)), (0, (29, 7)), (6, (13, 4)),
+                                           (7, (5, 0))])
+def test_a_non_finite_entry_anywhere_keeps_every_state(value, device, index):
+  """One NaN or Inf on one device, at rows of each of the four row blocks (29 is the last
+  real row of 30, padded to 32): the non-finite check sees it on every device, so the
+  leaf's state does not move, while a clean step moves every state."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  keys = jax.random.split(jax.random.PRNGKey(6), 2)
+  clean = {"a": fast_random.normal(keys[0], (8, 30, 8)),
+           "b": fast_random.normal(keys[1], (8, 10, 3, 8))}
+  tx = jaxcomm.powersgd_allreduce(rank=2)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], clean), steps=1)
+  _, moved = run(clean, state)
+  bad = dict(clean, a=clean["a"].at[(device,) + index].set(value))
+  _, kept = run(bad, state)
+  for leaf_moved, leaf_kept, leaf_old in zip(moved.leaves, kept.leaves, state.leaves):
+    assert not np.array_equal(leaf_moved.q, leaf_old.q)
+  chex.assert_trees_all_equal(kept.leaves[0], state.leaves[0])
+  chex.assert_tree_all_finite(kept.leaves)
 
 
 @pytest.mark.parametrize("kwargs, match", [

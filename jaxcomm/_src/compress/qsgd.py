@@ -68,7 +68,7 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
-    norms = jnp.linalg.norm(chunks.to_chunks(flat, bucket), axis=1)
+    norms = chunks.l2_norms(flat, bucket)
     norm = chunks.per_element(norms, size, bucket)
     ratio = levels * jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0)
     floor = jnp.floor(ratio)

@@ -108,19 +108,29 @@ def _blocks(size: int, width: int) -> tuple[int, int, int]:
   return total, -(-total // per_step), per_step
 
 
+# Deepest sketch whose median is taken by a sorting network; deeper ones sort.
+NETWORK_DEPTH = 32
+
+
 def median_of_rows(rows) -> jax.Array:
   """Median over axis 0 of a ``(depth, n)`` array (or a list of ``depth`` arrays of shape
-  ``(n,)``), by a sorting network of min/max.
+  ``(n,)``).
 
-  ``depth`` is small, so ``depth^2 / 2`` elementwise compare-exchanges are far cheaper than a
-  sort along a length-``depth`` axis (XLA's CPU sort is slow for that layout).
+  Up to ``NETWORK_DEPTH`` rows, by a sorting network of min/max: ``depth^2 / 2`` elementwise
+  compare-exchanges are far cheaper than a sort along a length-``depth`` axis (XLA's CPU sort
+  is slow for that layout). Deeper, by ``jnp.sort`` along axis 0: the network's
+  ``O(depth^2)`` operations made compiling the decode take more than 20 GB of memory at
+  depths above 32. Both pick the same elements, so they agree bit for bit on finite input.
   """
-  ordered = list(rows)
-  for sweep in range(len(ordered)):
-    for index in range(len(ordered) - 1 - sweep):
-      low = jnp.minimum(ordered[index], ordered[index + 1])
-      high = jnp.maximum(ordered[index], ordered[index + 1])
-      ordered[index], ordered[index + 1] = low, high
+  if len(rows) > NETWORK_DEPTH:
+    ordered = jnp.sort(jnp.stack(list(rows)), axis=0)
+  else:
+    ordered = list(rows)
+    for sweep in range(len(ordered)):
+      for index in range(len(ordered) - 1 - sweep):
+        low = jnp.minimum(ordered[index], ordered[index + 1])
+        high = jnp.maximum(ordered[index], ordered[index + 1])
+        ordered[index], ordered[index + 1] = low, high
   middle = len(ordered) // 2
   if len(ordered) % 2:
     return ordered[middle]

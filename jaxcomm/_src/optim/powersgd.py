@@ -59,7 +59,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 
   Bytes per device and step for a factorized float32 leaf (``D' = 4 G c m``), ``G`` devices per
   host and ``H`` hosts: over the fast axis ``2 (G-1)/G D'`` (reduce-scatter and all-gather)
-  plus ``2 (G-1)/G 4 (r m + r + 1)``; over the slow axis ``2 (H-1)/H 4 r (m + c)`` (see
+  plus ``2 (G-1)/G 4 (r m + r)``; over the slow axis ``2 (H-1)/H 4 r (m + c)`` (see
   :mod:`jaxcomm.collectives.powersgd`).
 
   Args:
