@@ -411,8 +411,7 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
   * fast link: reduce-scatter and all-gather of the ``G s b`` padded leaf, ``(G-1) s b
     beta_f`` each, every leaf's in one reduce-scatter and one all-gather per step, so
     ``2(G-1) alpha_f`` once (what :func:`jaxcomm.compressed_allreduce` runs without
-    ``bucket_bytes``; with EF21 estimates it all-gathers each leaf's estimate on its own,
-    ``(G-1) alpha_f`` more per further leaf, not modeled here);
+    ``bucket_bytes``);
   * slow link, by ``wire_bytes`` and ``strategy`` (each strategy value's ``cost``,
     :mod:`jaxcomm.collectives.strategies`, the formulas the tests check against compiled HLO):
 

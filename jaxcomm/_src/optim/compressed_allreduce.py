@@ -227,14 +227,9 @@ def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates
                                                   fusion)
   estimates = [estimate + shard if e else estimate
                for estimate, shard, e in zip(estimates, shards, estimated)]
-  # An estimate is state the step returns: a fused all-gather would first copy it into one
-  # buffer, which cost sign+EF21 more than the collectives it saves (docs/collectives.md,
-  # session 13), so each estimate is gathered on its own.
-  gather_fusion = [("estimate", b) if e else (None if fusion is None else fusion[b])
-                   for b, e in enumerate(estimated)]
   means = gather_back([estimate if e else shard
                        for estimate, shard, e in zip(estimates, shards, estimated)],
-                      inputs, topologies, gather_fusion)
+                      inputs, topologies, fusion)
   means = [mean.astype(x.dtype) for mean, x in zip(means, packed)]
   return (means, level_states, estimates,
           functools.reduce(jnp.logical_or, nonfinite, jnp.zeros((), jnp.bool_)))
