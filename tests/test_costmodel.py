@@ -191,9 +191,8 @@ def _two_bytes_per_element(shape, dtype):
 
 @pytest.mark.parametrize("wire_bytes, strategy, slow_steps, slow_bytes, slow_seconds", [
     # Leaves of 10 and 3 elements on 2 hosts x 4 devices: shards of 3 and 1 elements.
-    # Full precision: both shards in one reduce-scatter and one all-gather over 2 hosts:
-    # 1 + 1 steps, 2 * (1/2) * (12 + 4) bytes.
-    (None, "gather", 2, 16.0, 2 * 1.0 + 16 / 4),
+    # Full precision: all-reduce of 12 + 4 bytes over 2 hosts: 2 + 2 steps, 12/2*2 + 4/2*2.
+    (None, "gather", 4, 16.0, 4 * 1.0 + 16 / 4),
     # Gather of payloads of 6 and 2 bytes in one all-gather: 1 step, (H-1) c = 6 + 2 bytes.
     (_two_bytes_per_element, "gather", 1, 8.0, 1 * 1.0 + 8 / 4),
     # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); all-to-all + gather.
@@ -202,15 +201,14 @@ def _two_bytes_per_element(shape, dtype):
 def test_project_on_hand_computed_cases(wire_bytes, strategy, slow_steps, slow_bytes,
                                         slow_seconds):
   got = costmodel.project([(10,), (3,)], 2, 4, FAST, SLOW, wire_bytes, strategy=strategy)
-  # Fast: one reduce-scatter + one all-gather of both padded leaves (48 + 16 bytes) over 4
-  # devices.
-  assert got.fast_steps == 2 * 3 and got.fast_bytes == 2 * 3 / 4 * (48 + 16) == 96.0
-  assert got.fast_seconds == 6 * 0.125 + 96 / 64 == 2.25
+  # Fast: reduce-scatter + all-gather of the padded 48- and 16-byte leaves over 4 devices.
+  assert got.fast_steps == 4 * 3 and got.fast_bytes == 2 * (3 / 4 * 48 + 3 / 4 * 16) == 96.0
+  assert got.fast_seconds == 12 * 0.125 + 96 / 64 == 3.0
   assert (got.slow_steps, got.slow_bytes, got.slow_seconds) == (slow_steps, slow_bytes,
                                                                 slow_seconds)
-  assert got.total_seconds == 2.25 + slow_seconds
+  assert got.total_seconds == 3.0 + slow_seconds
   traffic = costmodel.traffic([(10,), (3,)], 2, 4, wire_bytes, strategy=strategy)
-  assert traffic == (Cost(6, 96.0), Cost(slow_steps, slow_bytes))
+  assert traffic == (Cost(12, 96.0), Cost(slow_steps, slow_bytes))
   assert traffic.seconds(FAST, SLOW) == got.total_seconds
 
 

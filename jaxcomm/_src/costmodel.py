@@ -408,16 +408,13 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
   For each gradient leaf of ``d`` elements, on ``H = hosts`` hosts of ``G = local`` devices,
   with ``s = ceil(d/G)`` elements per shard of ``b`` bytes each (``dtype``):
 
-  * fast link: reduce-scatter and all-gather of the ``G s b`` padded leaf, ``(G-1) s b
-    beta_f`` each, every leaf's in one reduce-scatter and one all-gather per step, so
-    ``2(G-1) alpha_f`` once (what :func:`jaxcomm.compressed_allreduce` runs without
-    ``bucket_bytes``);
+  * fast link: reduce-scatter and all-gather of the ``G s b`` padded leaf, each
+    ``(G-1) alpha_f + (G-1) s b beta_f``;
   * slow link, by ``wire_bytes`` and ``strategy`` (each strategy value's ``cost``,
     :mod:`jaxcomm.collectives.strategies`, the formulas the tests check against compiled HLO):
 
     - ``wire_bytes=None`` (full precision): reduce-scatter and all-gather of the shard,
-      ``2(H-1)/H s b beta_s``, fused over the leaves as on the fast link: ``2(H-1) alpha_s``
-      once;
+      ``2(H-1) alpha_s + 2(H-1)/H s b beta_s``;
     - ``'linear'`` (a :class:`~jaxcomm.Compressor` with linear payloads): all-reduce of the
       summed payload ``c``, ``2(H-1) alpha_s + 2(H-1)/H c beta_s``;
     - ``'gather'``: all-gather of each device's ``c = wire_bytes((s,))`` payload,
@@ -428,9 +425,9 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
       re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
 
   Every device of a host works its own shard at once, each on its own slow link: give
-  ``slow_link.shared_by(G)`` when a host's devices share one NIC. The linear and two-phase
-  strategies run one collective per leaf and phase, so there small leaves pay the slow
-  ``alpha`` terms in full.
+  ``slow_link.shared_by(G)`` when a host's devices share one NIC. One collective per leaf
+  and phase (no bucketing), so small leaves pay the ``alpha`` terms in full, except the
+  gather strategy's all-gather, one per step for all leaves.
 
   Args:
     shapes: gradient leaf shapes, e.g. ``transformer_gradient_shapes('llama-7b').values()``.

@@ -10,8 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jaxcomm
-from jaxcomm._src.collectives.hierarchical import (gather_back, reduce_shards,
-                                                   scattered_check_exact)
+from jaxcomm._src.collectives.hierarchical import reduce_shards, scattered_check_exact
 from jaxcomm._src.nonfinite import agree, any_nonfinite
 from jaxcomm.collectives import init_states, level, prescattered
 import fast_random
@@ -167,40 +166,3 @@ def test_shard_check_is_used_where_exact_and_only_there():
   assert not scattered_check_exact(dense, jnp.float32, {"host": 1, "local": 8}.__getitem__)
   with prescattered(("local",)):  # the first dense level is done: check the input
     assert not scattered_check_exact(dense, jnp.float32, sizes)
-
-
-SHAPES = [(5, 7), (1,), (0,), (13,), (4, 4)]
-
-
-# Reduce-scatters: fused, the local level's float32 and bfloat16 groups and the host level's
-# float32 one (the quantized arrays' host level is compressed); one per array, four local
-# and two host ones (JAX drops the empty array's zero-size collectives).
-@pytest.mark.parametrize("fusion, scatters", [(None, 3), (list(range(len(SHAPES))), 6)])
-def test_dense_levels_fuse_arrays_of_one_dtype_and_fusion_key(fusion, scatters):
-  """Every array's mean as if reduced alone (up to the order of the float sums), with one
-  dense collective per level for the arrays of one dtype and fusion key."""
-  mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  dtypes = [jnp.float32, jnp.float32, jnp.float32, jnp.bfloat16, jnp.float32]
-  xs = [fast_random.normal(jax.random.PRNGKey(i), (8, *shape)).astype(dtype)
-        for i, (shape, dtype) in enumerate(zip(SHAPES, dtypes))]
-  topologies = [(level("local"), level("host"))] * 3 + [
-      (level("local"), level("host", jaxcomm.quantize(8), feedback=False))] * 2
-
-  @jax.jit
-  @functools.partial(jax.shard_map, mesh=mesh, in_specs=(P(AXES),), out_specs=P())
-  def run(xs):
-    xs = [x[0] for x in xs]
-    states = [init_states(levels, x.size, x.dtype) for x, levels in zip(xs, topologies)]
-    keys = [jax.random.PRNGKey(i) for i in range(len(xs))]
-    shards, _, _ = reduce_shards(xs, topologies, states, keys, fusion)
-    return gather_back(shards, xs, topologies, fusion)
-
-  means = run(xs)
-  for mean, x, dtype in zip(means, xs, dtypes):
-    assert mean.dtype == dtype and mean.shape == x.shape[1:]
-    atol = 2e-2 if dtype == jnp.bfloat16 else 1e-6
-    quantized = x.shape[1:] in (SHAPES[3], SHAPES[4])
-    chex.assert_trees_all_close(mean.astype(jnp.float32), jnp.mean(x.astype(jnp.float32), 0),
-                                atol=0.05 if quantized else atol)
-  compiled = run.lower(xs).compile().as_text()
-  assert compiled.count(" reduce-scatter(") == scatters

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -246,12 +246,8 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
                                 ) -> tuple[list[jax.Array], list[tuple]]:
   """:func:`hierarchical_allreduce` of several arrays (e.g. gradient buckets) in one call.
 
-  Each array is reduced as :func:`hierarchical_allreduce` reduces it alone (the same sums and
-  bytes; a ring reduce-scatter may add the devices' terms in another order where an entry
-  sits at another offset of the fused buffer, so results can differ in the last bit), but the
-  dense levels reduce-scatter and
-  all-gather every array of a dtype in one collective each way
-  (:meth:`~jaxcomm.collectives.Dense.scatter_many`), and the compressed levels with the
+  Each array is reduced exactly as :func:`hierarchical_allreduce` reduces it alone (same
+  results, bit for bit, and the same bytes), but the compressed levels with the
   :class:`~jaxcomm.collectives.Gather` strategy send every array's payload in one collective
   per level and call (:func:`~jaxcomm.collectives.strategies.gather_sums`): one rendezvous
   instead of one per array.
@@ -267,7 +263,8 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
     ``(means, new_states)``: one entry per array.
   """
   shards, new_states, _ = reduce_shards(xs, topologies, states, keys)
-  return gather_back(shards, xs, topologies), new_states
+  return ([gather_back(shard, x, levels) for shard, x, levels in zip(shards, xs, topologies)],
+          new_states)
 
 
 class ReducedShards(NamedTuple):
@@ -316,16 +313,10 @@ def scattered_check_exact(levels: Sequence[Level], dtype: Any,
 
 
 def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]],
-                  states: Sequence[tuple], keys: Sequence[jax.Array],
-                  fusion: Sequence[Hashable] | None = None) -> ReducedShards:
+                  states: Sequence[tuple], keys: Sequence[jax.Array]) -> ReducedShards:
   """:func:`hierarchical_allreduce_many` up to the dense levels' all-gathers, with each
   array's non-finite check (:class:`ReducedShards`; unused checks cost nothing: XLA drops
   them).
-
-  ``fusion`` (one key per array; ``None``: the same for all) says which arrays' dense
-  collectives may be fused: arrays with different keys get separate collectives, so that
-  buckets issued in readiness order stay separate and can overlap the backward pass. Pass the
-  same keys to :func:`gather_back`.
 
   The check on the reduce-scattered shard reads ``1/size`` of the input: on the char LM's
   2x4 step, checking every full gradient instead cost sign+EF21 about 1 ms of CPU per step
@@ -351,10 +342,14 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
     gathers: dict[strategies.Gather, list[int]] = {}
     for b, levels in enumerate(topologies):
       lv = levels[index]
-      if _done(lv) or lv.compressor is None:
+      if _done(lv):
         continue
       strategy = resolve_level(lv, axis_size)
-      if axis_size == 1:
+      if lv.compressor is None:
+        shards[b] = strategy.scatter(shards[b], axis)
+        if nonfinite[b] is None:
+          nonfinite[b] = has_nonfinite(shards[b])
+      elif axis_size == 1:
         shards[b] = jax.lax.psum(shards[b], axis)  # one device: a no-op that marks it reduced
       elif isinstance(strategy, strategies.Gather):
         gathers.setdefault(strategy, []).append(b)
@@ -369,12 +364,6 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
                for b in members]
       for b, (shard, state) in zip(members, strategy.apply_many(items, axis)):
         shards[b], new_states[b][index] = shard, state
-    for strategy, members in _dense_groups(topologies, index, shards, fusion):
-      summed = strategy.scatter_many([shards[b] for b in members], axis)
-      for b, shard in zip(members, summed):
-        shards[b] = shard
-        if nonfinite[b] is None:
-          nonfinite[b] = has_nonfinite(shard)
   return ReducedShards(shards, [tuple(level_states) for level_states in new_states], nonfinite)
 
 
@@ -402,39 +391,14 @@ def _first_shard(x: jax.Array, levels: tuple[Level, ...]) -> jax.Array:
   return jnp.pad((x / total).astype(x.dtype).reshape(-1), (0, padded - x.size))
 
 
-def _dense_groups(topologies: Sequence[Sequence[Level]], index: int,
-                  shards: Sequence[jax.Array], fusion: Sequence[Hashable] | None
-                  ) -> list[tuple[strategies.Dense, list[int]]]:
-  """``(dense strategy, arrays)`` at level ``index``: the non-empty arrays whose level there
-  is dense and not :func:`prescattered`, grouped by fusion key, strategy and dtype, each group
-  one collective each way (:meth:`~jaxcomm.collectives.Dense.scatter_many`, ``gather_many``;
-  an empty shard stays as it is: a zero-size collective cannot be lowered)."""
-  groups: dict[tuple, list[int]] = {}
-  for b, levels in enumerate(topologies):
-    lv = levels[index]
-    if lv.compressor is None and not _done(lv) and shards[b].size:
-      strategy = resolve_level(lv, jax.lax.axis_size(lv.axis))
-      key = (None if fusion is None else fusion[b], strategy, jnp.dtype(shards[b].dtype))
-      groups.setdefault(key, []).append(b)
-  return [(key[1], members) for key, members in groups.items()]
-
-
-def gather_back(shards: Sequence[jax.Array], xs: Sequence[jax.Array],
-                topologies: Sequence[Sequence[Level]],
-                fusion: Sequence[Hashable] | None = None) -> list[jax.Array]:
-  """The dense levels' all-gathers of :func:`reduce_shards`'s shards, slowest first, each
-  back to its array's dtype (cast before the gathers) and shape; on every level the arrays
-  of one dtype and ``fusion`` key (as :func:`reduce_shards` takes it) share one all-gather
-  (:meth:`~jaxcomm.collectives.Dense.gather_many`)."""
-  shards = [shard.astype(x.dtype) for shard, x in zip(shards, xs)]
-  for index in reversed(range(len(topologies[0]) if topologies else 0)):
-    for strategy, members in _dense_groups(topologies, index, shards, fusion):
-      axis = topologies[members[0]][index].axis
-      for b, shard in zip(members, strategy.gather_many([shards[b] for b in members], axis)):
-        shards[b] = shard
-  # An empty array's mean is a constant: replicated, with no collective to make it so.
-  return [shard[:x.size].reshape(x.shape) if x.size else jnp.zeros(x.shape, x.dtype)
-          for shard, x in zip(shards, xs)]
+def gather_back(shard: jax.Array, x: jax.Array, levels: Sequence[Level]) -> jax.Array:
+  """The dense levels' all-gathers of a :func:`reduce_shards` shard, slowest first, back to
+  ``x``'s dtype (cast before the gathers) and shape."""
+  shard = shard.astype(x.dtype)
+  for lv in reversed(levels):
+    if lv.compressor is None and not _done(lv):
+      shard = resolve_level(lv, jax.lax.axis_size(lv.axis)).gather(shard, lv.axis)
+  return shard[:x.size].reshape(x.shape)
 
 
 def hierarchical_cost(levels: Sequence[Level], size: int, axis_sizes: Mapping[str, int],

@@ -28,7 +28,6 @@ chunks are all-gathered.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -168,32 +167,6 @@ class Dense(NamedTuple):
     """The ``n`` shards of :meth:`scatter` put back together, on every device."""
     return jax.lax.all_gather(shard, axis, tiled=True, to="invarying")
 
-  def scatter_many(self, shards: Sequence[jax.Array], axis: str) -> list[jax.Array]:
-    """:meth:`scatter` of several 1-D shards of one dtype in one collective.
-
-    Each shard's ``n`` blocks are laid side by side, ``(n, sum of length/n)``, so that the
-    ``i``-th block of the one reduce-scatter is every shard's ``i``-th block: each result is
-    :meth:`scatter` of its shard alone (the same sum; the backend may add the ``n`` terms in
-    another order), with ``n - 1`` steps paid once instead of once per shard: the fixed cost
-    of a collective dominates many small leaves.
-    """
-    if len(shards) == 1:
-      return [self.scatter(shards[0], axis)]
-    n = jax.lax.axis_size(axis)
-    blocks = [shard.shape[0] // n for shard in shards]
-    rows = jnp.concatenate([s.reshape(n, block) for s, block in zip(shards, blocks)], 1)
-    return jnp.split(self.scatter(rows.reshape(-1), axis), np.cumsum(blocks)[:-1])
-
-  def gather_many(self, shards: Sequence[jax.Array], axis: str) -> list[jax.Array]:
-    """:meth:`gather` of several 1-D shards of one dtype in one collective (the inverse of
-    :meth:`scatter_many`'s layout); each result equals :meth:`gather` of its shard alone."""
-    if len(shards) == 1:
-      return [self.gather(shards[0], axis)]
-    n = jax.lax.axis_size(axis)
-    rows = self.gather(jnp.concatenate(shards), axis).reshape(n, -1)
-    return [block.reshape(-1) for block in
-            jnp.split(rows, np.cumsum([s.shape[0] for s in shards])[:-1], axis=1)]
-
   def apply(self, shard: jax.Array, compressor, state, key, axis: str, feedback: bool):
     """The sum of ``shard`` over ``axis`` (:meth:`scatter` then :meth:`gather`), float32."""
     del compressor, key, feedback
@@ -201,15 +174,8 @@ class Dense(NamedTuple):
     return total.astype(jnp.float32), state
 
   def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
-    return self.cost_many(compressor, (length,), axis_size, dtype)
-
-  def cost_many(self, compressor, lengths, axis_size: int, dtype: Any = jnp.float32) -> Cost:
-    """:meth:`scatter_many` and :meth:`gather_many` of shards of ``lengths``: one way in and
-    one all-gather of all their bytes (nothing for no shards)."""
     del compressor
-    if not lengths:
-      return NO_COST
-    nbytes = sum(lengths) * jnp.dtype(self.dtype or dtype).itemsize
+    nbytes = length * jnp.dtype(self.dtype or dtype).itemsize
     psum = scatter_implementation(self.implementation) == "psum"
     way_in = "all-reduce" if psum else "all-gather"
     # A reduce-scatter of D bytes sends what the all-gather back to D bytes sends.
@@ -348,11 +314,9 @@ STRATEGIES = tuple(BY_NAME)
 def level_cost(strategy: Strategy, compressor, lengths, axis_size: int,
                dtype: Any = jnp.float32) -> Cost:
   """One level's cost when the engine sums shards of ``lengths`` in one call
-  (:func:`~jaxcomm.collectives.hierarchical.hierarchical_allreduce_many`): a :class:`Dense`
-  level's shards share one reduce-scatter and one all-gather (:meth:`Dense.cost_many`), a
-  :class:`Gather`'s payloads one collective (:meth:`Gather.cost_many`); other strategies pay
-  per shard."""
-  if isinstance(strategy, (Dense, Gather)):
+  (:func:`~jaxcomm.collectives.hierarchical.hierarchical_allreduce_many`): a :class:`Gather`'s
+  payloads share one collective (:meth:`Gather.cost_many`); other strategies pay per shard."""
+  if isinstance(strategy, Gather):
     return strategy.cost_many(compressor, lengths, axis_size, dtype)
   return sum((strategy.cost(compressor, length, axis_size, dtype) for length in lengths),
              NO_COST)

@@ -208,12 +208,11 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
 
 
 def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
-                    keys: list[jax.Array], fusion: list[int] | None):
+                    keys: list[jax.Array]):
   """``(means, new level states, new estimates, nonfinite)`` of every bucket, in one engine
   call (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
-  buckets' payloads in one collective, the dense levels those of equal ``fusion`` key);
-  ``nonfinite`` is the bool scalar "some bucket holds a NaN or Inf" of this device, not
-  agreed (:class:`~jaxcomm.collectives.hierarchical.ReducedShards`).
+  buckets' payloads in one collective); ``nonfinite`` is the bool scalar "some bucket holds a
+  NaN or Inf" of this device, not agreed (:class:`~jaxcomm.collectives.hierarchical.ReducedShards`).
 
   With an EF21 estimate the levels return this device's shard of the summed change of the
   devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
@@ -223,14 +222,12 @@ def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates
   """
   estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
   inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
-  shards, level_states, nonfinite = reduce_shards(inputs, topologies, level_states, keys,
-                                                  fusion)
+  shards, level_states, nonfinite = reduce_shards(inputs, topologies, level_states, keys)
   estimates = [estimate + shard if e else estimate
                for estimate, shard, e in zip(estimates, shards, estimated)]
-  means = gather_back([estimate if e else shard
-                       for estimate, shard, e in zip(estimates, shards, estimated)],
-                      inputs, topologies, fusion)
-  means = [mean.astype(x.dtype) for mean, x in zip(means, packed)]
+  means = [gather_back(estimate if e else shard, x32, levels).astype(x.dtype)
+           for x, x32, estimate, shard, levels, e
+           in zip(packed, inputs, estimates, shards, topologies, estimated)]
   return (means, level_states, estimates,
           functools.reduce(jnp.logical_or, nonfinite, jnp.zeros((), jnp.bool_)))
 
@@ -301,10 +298,7 @@ def compressed_allreduce(
     levels: a full topology instead of ``compressor``/``strategy``/``feedback``: a sequence of
       :func:`jaxcomm.collectives.level`, fastest first (e.g. chip, host, pod).
     bucket_bytes: pack consecutive leaves of one dtype into flat buckets of at most this many
-      bytes, each compressed as one array, so each dense level issues one collective each way
-      per bucket and XLA can start the first buckets' collectives while the backward pass
-      runs; ``None``: each leaf compressed on its own, and the dense levels' collectives of
-      all leaves fused into one each way (the latency of one collective, not one per leaf).
+      bytes, so each level issues one collective per bucket; ``None``: one per leaf.
     fast_axis: the intra-host mesh axis name (two-level form).
     slow_axis: the inter-host mesh axis name (two-level form).
     seed: int seed or PRNG key (typed ``jax.random.key`` or legacy ``PRNGKey``) of the key
@@ -384,9 +378,7 @@ def compressed_allreduce(
         [bucketing.pack(leaves, bucket) for bucket in buckets],
         [topologies[bucket.group] for bucket in buckets],
         _cast_residuals(state.level_states, jnp.float32), state.estimates,
-        [jax.random.fold_in(step_key, index) for index in range(len(buckets))],
-        # Leaves share dense collectives; buckets keep their own, to overlap the backward.
-        None if bucket_bytes is None else list(range(len(buckets))))
+        [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
     means: list[Any] = [None] * len(leaves)
     for bucket, mean in zip(buckets, bucket_means):
       for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
