@@ -39,7 +39,7 @@ def max_abs(flat: jax.Array, chunk: int | None) -> jax.Array:
   return jnp.abs(jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1)))
 
 
-# Rows of chunks per step of :func:`l2_norms`' loop: 2^18 elements, in cache.
+# Elements per step of :func:`l2_norms`' loop (whole chunks of about 2^18 elements, in cache).
 NORM_STEP = 1 << 18
 
 
