@@ -94,6 +94,25 @@ def test_a_nan_on_one_device_keeps_the_invariant(nonfinite):
     assert int(state.skipped_steps) == 1
 
 
+def test_skip_returns_the_kept_estimate_when_it_overflows_from_finite_inputs():
+  # Every input is finite, but the change -3e38 - 3e38 overflows to -Inf: the estimate keeps
+  # its old entries, no step is skipped, and the mean sent on is the kept, finite estimate.
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  tx = jaxcomm.compressed_allreduce(jaxcomm.sign(), feedback="estimate")
+  state, update = update_fn(tx, {"w": jnp.zeros((16,))}, mesh, every_device=True)
+  huge = {"w": jnp.full((8, 16), 3e38, jnp.float32)}
+  first, state = update(huge, state)
+  kept = jax.tree.map(np.asarray, state.estimates)
+  second, state = update(jax.tree.map(jnp.negative, huge), state)
+  assert int(state.skipped_steps) == 0
+  for new, old in zip(jax.tree.leaves(state.estimates), jax.tree.leaves(kept)):
+    np.testing.assert_array_equal(new, old)
+  for leaf in jax.tree.leaves((first, second)):
+    assert np.all(np.isfinite(np.asarray(leaf)))
+  for a, b in zip(jax.tree.leaves(first), jax.tree.leaves(second)):
+    np.testing.assert_array_equal(a, b)
+
+
 @pytest.mark.parametrize("compressor, mesh_shape, kind", [
     (jaxcomm.sign(), (8, 1), EstimateFeedbackState),  # biased, contracts 0.64: EF21, gather
     (jaxcomm.topk(0.01), (8, 1), jaxcomm.compress.ErrorFeedbackState),  # contracts 0.08: residuals

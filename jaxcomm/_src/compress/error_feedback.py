@@ -173,7 +173,10 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
     change = x.astype(jnp.float32) - state.estimate
     payload, inner = compressor.encode(change, state.inner, key)
     estimate = state.estimate + compressor.decode(payload, x.shape)
-    bad = has_nonfinite((change, estimate))
+    # The input, not the change, is checked: the same reduction as a collective's check of the
+    # shard it hands over, which XLA then computes once. A change that overflows from finite
+    # operands is caught where it matters, in the estimate.
+    bad = has_nonfinite((x, estimate))
     return payload, keep_if(bad, state, EstimateFeedbackState(estimate=estimate, inner=inner),
                             floats_only=True)
 

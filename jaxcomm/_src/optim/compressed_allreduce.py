@@ -209,27 +209,33 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
 
 def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
                     keys: list[jax.Array]):
-  """``(means, new level states, new estimates, nonfinite)`` of every bucket, in one engine
+  """``(shards, new level states, new estimates, nonfinite)`` of every bucket, in one engine
   call (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
   buckets' payloads in one collective); ``nonfinite`` is the bool scalar "some bucket holds a
   NaN or Inf" of this device, not agreed (:class:`~jaxcomm.collectives.hierarchical.ReducedShards`).
 
   With an EF21 estimate the levels return this device's shard of the summed change of the
   devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
-  the estimate's shard, and the mean is that new shard gathered back (in float32, then cast):
-  the same values as gathering the change and adding the whole estimate, without a pass over
-  a full-size copy.
+  the estimate's shard, and :func:`_gather_means` gathers that new shard back (in float32, then
+  cast): the same values as gathering the change and adding the whole estimate, without a pass
+  over a full-size copy.
   """
   estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
   inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
   shards, level_states, nonfinite = reduce_shards(inputs, topologies, level_states, keys)
   estimates = [estimate + shard if e else estimate
                for estimate, shard, e in zip(estimates, shards, estimated)]
-  means = [gather_back(estimate if e else shard, x32, levels).astype(x.dtype)
-           for x, x32, estimate, shard, levels, e
-           in zip(packed, inputs, estimates, shards, topologies, estimated)]
-  return (means, level_states, estimates,
+  return (shards, level_states, estimates,
           functools.reduce(jnp.logical_or, nonfinite, jnp.zeros((), jnp.bool_)))
+
+
+def _gather_means(packed: list[jax.Array], topologies, shards, estimates) -> list[jax.Array]:
+  """Each bucket's mean: its reduced shard, or its EF21 estimate's shard, gathered back over
+  the levels and cast to the bucket's dtype."""
+  return [gather_back(estimate if isinstance(estimate, jax.Array) else shard,
+                      x.astype(jnp.float32) if isinstance(estimate, jax.Array) else x,
+                      levels).astype(x.dtype)
+          for x, shard, estimate, levels in zip(packed, shards, estimates, topologies)]
 
 
 def compressed_allreduce(
@@ -374,15 +380,11 @@ def compressed_allreduce(
     if nonfinite == "zero":
       leaves = zero_nonfinite(leaves)
     buckets = plan(grads)
-    bucket_means, new_states, estimates, nonfinite_here = _reduce_buckets(
-        [bucketing.pack(leaves, bucket) for bucket in buckets],
-        [topologies[bucket.group] for bucket in buckets],
-        _cast_residuals(state.level_states, jnp.float32), state.estimates,
-        [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
-    means: list[Any] = [None] * len(leaves)
-    for bucket, mean in zip(buckets, bucket_means):
-      for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
-        means[leaf_index] = leaf_mean
+    packed = [bucketing.pack(leaves, bucket) for bucket in buckets]
+    bucket_topologies = [topologies[bucket.group] for bucket in buckets]
+    shards, new_states, estimates, nonfinite_here = _reduce_buckets(
+        packed, bucket_topologies, _cast_residuals(state.level_states, jnp.float32),
+        state.estimates, [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
     new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
                              state.level_states)
     new_state = CompressedAllReduceState(
@@ -392,7 +394,18 @@ def compressed_allreduce(
       skip = agree(nonfinite_here, axes)
       new_state = keep_if(skip, state, new_state)._replace(
           skipped_steps=state.skipped_steps + skip)
-      means = zero_if(skip, means)
+      # The means come from the estimates kept: one pass makes the new estimate, keeps it and
+      # feeds the gather, where gathering the unkept one took a second. Equal unless the step
+      # is skipped (its means are zeroed) or an estimate overflowed from finite inputs (its
+      # old, finite entries are sent instead of an Inf).
+      estimates = new_state.estimates
+    bucket_means = _gather_means(packed, bucket_topologies, shards, estimates)
+    if nonfinite == "skip":
+      bucket_means = zero_if(skip, bucket_means)
+    means: list[Any] = [None] * len(leaves)
+    for bucket, mean in zip(buckets, bucket_means):
+      for leaf_index, leaf_mean in zip(bucket.leaves, bucketing.unpack(mean, bucket)):
+        means[leaf_index] = leaf_mean
     return treedef.unflatten(means), new_state
 
   return optax.GradientTransformation(init, update)
