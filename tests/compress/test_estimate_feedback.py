@@ -65,6 +65,16 @@ def test_estimate_and_inner_state_never_take_non_finite_values():
     chex.assert_trees_all_close(state.estimate, before)
 
 
+def test_an_estimate_entry_that_overflows_from_finite_input_keeps_its_old_value():
+  compressor = estimate_feedback(sign())
+  state = compressor.init((2,), jnp.float32)
+  _, state = compressor.encode(jnp.array([3e38, 3e38]), state, jax.random.PRNGKey(0))
+  before = np.asarray(state.estimate)
+  # The change -6e38 overflows to -Inf, so the scale and the new estimate are infinite.
+  _, state = compressor.encode(jnp.array([-3e38, -3e38]), state, jax.random.PRNGKey(1))
+  np.testing.assert_array_equal(state.estimate, before)
+
+
 def test_facts_and_bad_input():
   for name in NAMES:
     wrapped = estimate_feedback(CATALOG[name])

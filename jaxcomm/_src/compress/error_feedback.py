@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxcomm._src.compress.base import Compressor, subtract_decoded
-from jaxcomm._src.nonfinite import has_nonfinite, keep_if
+from jaxcomm._src.nonfinite import has_nonfinite, keep_finite, keep_if
 from jaxcomm._src.validation import check_float, check_float_input
 
 
@@ -146,7 +146,8 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
   after the mean would amplify.
 
   A non-finite input leaves the estimate and the floating-point leaves of the inner state
-  untouched, as :func:`error_feedback` does.
+  untouched, as :func:`error_feedback` does; an estimate entry that overflows from finite
+  inputs keeps its old value.
 
   Linear when ``compressor`` is (the payloads of the devices' deltas sum to the payload of
   the summed delta). Never unbiased. Bytes: those of ``compressor``.
@@ -172,12 +173,13 @@ def estimate_feedback(compressor: Compressor) -> Compressor:
     check_float_input(x)
     change = x.astype(jnp.float32) - state.estimate
     payload, inner = compressor.encode(change, state.inner, key)
-    estimate = state.estimate + compressor.decode(payload, x.shape)
-    # The input, not the change, is checked: the same reduction as a collective's check of the
-    # shard it hands over, which XLA then computes once. A change that overflows from finite
-    # operands is caught where it matters, in the estimate.
-    bad = has_nonfinite((x, estimate))
-    return payload, keep_if(bad, state, EstimateFeedbackState(estimate=estimate, inner=inner),
+    # An entry that overflows from finite operands keeps its old value, entry by entry: the
+    # estimate is made, kept and written in one pass. The input, not the change, is checked
+    # for NaN and Inf: the same reduction as a collective's check of the shard it hands over,
+    # which XLA then computes once.
+    estimate = keep_finite(state.estimate + compressor.decode(payload, x.shape), state.estimate)
+    return payload, keep_if(has_nonfinite(x), state,
+                            EstimateFeedbackState(estimate=estimate, inner=inner),
                             floats_only=True)
 
   return _wrapping(compressor, init, encode, "ef21")
