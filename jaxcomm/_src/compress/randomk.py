@@ -159,6 +159,15 @@ def randomk(density: float | None = None, *, shared: bool = True, scale: bool = 
       return scatter(payload.values, indices, shape)
     return scatter(payload.values, payload.indices, shape)
 
+  def subtract_decoded(x: jax.Array, payload) -> jax.Array:
+    # Unscaled only: the kept entries minus their sent values, the rest of x as it is, with
+    # no dense decode. Scaled, XLA would fuse x - v * (d / k) into one rounding (an FMA),
+    # not the dense path's two.
+    indices = (random_indices(payload.key, x.size, payload.values.shape[0]) if shared
+               else payload.indices)
+    flat = x.reshape(-1)
+    return flat.at[indices].set(flat[indices] - payload.values).reshape(x.shape)
+
   def wire_bytes(shape, dtype) -> int:
     del dtype
     count = randomk_count(num_elements(shape), density)
@@ -167,4 +176,5 @@ def randomk(density: float | None = None, *, shared: bool = True, scale: bool = 
   options = ("" if shared else ", shared=False") + ("" if scale else ", scale=False")
   return Compressor(init=init if shared else stateless_init, encode=encode, decode=decode,
                     wire_bytes=wire_bytes, linear=shared, unbiased=scale,
-                    name=f"randomk({density:g}{options})")
+                    name=f"randomk({density:g}{options})",
+                    subtract_decoded=None if scale else subtract_decoded)
