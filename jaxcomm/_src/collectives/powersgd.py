@@ -14,9 +14,8 @@ and factorized leaf:
   (``c x r``), ``2 (H-1)/H * 4 r (m + c)``.
 
 Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
-the same shape are stacked, every ``P`` is summed in one all-reduce per axis, all ``P`` of one
-``(m, r)`` shape are orthogonalized in one batch, and XLA combines the ``Q`` of all shapes
-into one all-reduce.
+the same shape are stacked so each shape costs one collective per round, and all ``P`` of one
+``(m, r)`` shape are orthogonalized in one batch.
 """
 
 from __future__ import annotations
@@ -111,11 +110,8 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   corrected = [jnp.stack([blocks[i].astype(jnp.float32) + (states[i].residual if feedback else 0.0)
                           for i in indices]) for indices in groups.values()]
   warm = [jnp.stack([states[i].q for i in indices]) for indices in groups.values()]
-  # Summed as P^T, the layout project_rows builds it in: flattening (m, r) instead made XLA
-  # compute the rank-1 terms inside the concatenation with r minor (+1 ms per charlm step).
-  transposed = psum_together([jnp.swapaxes(project_rows(rows, q), -1, -2)
-                              for rows, q in zip(corrected, warm)], (fast_axis, slow_axis))
-  ps = [jnp.swapaxes(p, -1, -2) for p in transposed]
+  ps = [jax.lax.psum(jax.lax.psum(project_rows(rows, q), fast_axis), slow_axis)
+        for rows, q in zip(corrected, warm)]
   for indices, rows, q, p in zip(groups.values(), corrected, warm,
                                  orthogonalize_batched(ps, epsilon)):
     approx, group_states = _factor_group(rows, q, p, [states[i] for i in indices],
@@ -125,24 +121,6 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
       outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
       new_states[i] = group_states[slot]
   return outputs, new_states
-
-
-def psum_together(parts: Sequence[jax.Array], axes: Sequence[str]) -> list[jax.Array]:
-  """``psum`` of each of ``parts`` over each of ``axes`` in turn, sent as one flat vector: one
-  all-reduce per axis for all of them.
-
-  Separate ``psum`` s are merged by XLA's all-reduce combiner too, but not always into one:
-  on charlm it summed the ``(16, r)`` ``P`` alone and the ``(256, r)`` ones with the first
-  leaf's ``Q``, after that leaf's Gram-Schmidt, one more all-reduce over the slow axis and
-  the two orthogonalizations in series. The same sums element by element, bit for bit.
-  """
-  if not parts:
-    return []
-  flat = jnp.concatenate([part.reshape(-1) for part in parts])
-  for axis in axes:
-    flat = jax.lax.psum(flat, axis)
-  ends = np.cumsum([part.size for part in parts])[:-1]
-  return [piece.reshape(part.shape) for piece, part in zip(jnp.split(flat, ends), parts)]
 
 
 def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[jax.Array]:
