@@ -91,8 +91,8 @@ def project_rows(rows: jax.Array, q: jax.Array) -> jax.Array:
   blocks, each block's ``Q^T`` times rows is one batched product with ``m`` the minor axis,
   and the blocks' products are summed: 7 ms there. Equal up to float rounding (another
   order of the same sums). Up to ``RANK_ONE_ROWS`` rows (the collective's row blocks of small
-  models) it is :func:`rank_one_sum`, the same product bit for bit on that backend; other
-  ``n`` run the plain product.
+  models) it is :func:`rank_one_sum`, the plain product's sums in its order (bit for bit on
+  charlm's blocks); other ``n`` run the plain product.
   """
   n, m = rows.shape[-2:]
   if n <= RANK_ONE_ROWS:
