@@ -39,10 +39,9 @@ class ErrorFeedbackState(NamedTuple):
   inner: Any
 
 
-def _cap_scale(unsent: jax.Array, limit: jax.Array) -> jax.Array:
-  """The factor in ``[0, 1]`` (or NaN) that scales ``unsent`` down to norm ``limit`` where it
-  is longer (0 for a zero ``limit``)."""
-  norm = jnp.linalg.norm(unsent)
+def _cap_scale(norm: jax.Array, limit: jax.Array) -> jax.Array:
+  """The factor in ``[0, 1]`` (or NaN) that scales a residual of norm ``norm`` down to norm
+  ``limit`` where it is longer (0 for a zero ``limit``)."""
   return jnp.minimum(1.0, limit / jnp.maximum(norm, jnp.finfo(jnp.float32).tiny))
 
 
@@ -106,14 +105,20 @@ def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Com
     # The residual alone is checked: a NaN or Inf in `corrected` leaves one in `unsent` at the
     # same entry (x - y is not finite for a non-finite x). It also catches a compressor that
     # overflowed on finite input.
-    bad = has_nonfinite(unsent)
-    if bound is not None:
+    if bound is None:
+      bad = has_nonfinite(unsent)
+    else:
       # The capped residual `unsent * scale` (scale <= 1) is not finite exactly where
       # `unsent` is not or the scale is NaN, so it is checked through those two and never
-      # materialized: XLA fuses the product into the select below.
-      scale = _cap_scale(unsent, bound * jnp.linalg.norm(x32))
+      # materialized: XLA fuses the product into the select below. A NaN or Inf in `unsent`
+      # makes its norm NaN or Inf, so a finite norm clears it without a pass of its own; a
+      # norm that is not finite (also when finite squares overflow) looks entry by entry.
+      norm = jnp.linalg.norm(unsent)
+      scale = _cap_scale(norm, bound * jnp.linalg.norm(x32))
+      # (`isnan(norm)` is False in the finite branch, and varies over mesh axes as `unsent`.)
+      bad = jax.lax.cond(jnp.isfinite(norm), lambda: jnp.isnan(norm),
+                         lambda: has_nonfinite(unsent)) | jnp.isnan(scale)
       unsent = unsent * scale
-      bad = bad | jnp.isnan(scale)
     return payload, keep_if(bad, state, ErrorFeedbackState(residual=unsent, inner=inner),
                             floats_only=True)
 

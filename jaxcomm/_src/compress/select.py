@@ -8,18 +8,21 @@ largest magnitudes, ties to the lower index) with work linear in ``d``:
    :func:`kth_largest_bits`, as in step 3), at a rank
    chosen so that the number ``c`` of elements ``>= t`` lies in ``[k, capacity]`` with high
    probability (:func:`sample_plan`: six standard deviations of ``c`` on either side);
-2. the ``c`` candidates are compacted, in index order, into a buffer of static size
-   ``capacity`` (:func:`compact`: bit words, population counts, a prefix sum over ``d / 32``
+2. the ``c`` candidates are packed into bit words by one memory-bound pass
+   (:func:`words_at_least`) and compacted, in index order, into a buffer of static size
+   ``capacity`` (:func:`compact`: population counts, a prefix sum over ``d / 32``
    word counts, and each slot's word from a scatter of ``d / 32`` marks prefix-summed over the
    slots; no prefix sum over ``d``);
 3. the ``k``-th largest candidate bit pattern ``T`` is found exactly (:func:`kth_largest_bits`:
-   ``jax.lax.top_k`` for one row and ``k <= TOP_K_MAX``, else a 31-step binary search on the
-   bits; non-negative float32 values order like their int32 bits), and the buffer
+   ``jax.lax.top_k`` for one row and a small share ``k``, a search of 3 bits per pass for a
+   larger share of a short row, else a 31-step binary search on the bits; non-negative
+   float32 values order like their int32 bits), and the buffer
    keeps every candidate above ``T`` plus the lowest-indexed ties at ``T`` (compacted again).
 
 All elements outside the candidates are below ``t <= T``, so the result is exactly the top
 ``k``. When the sample misjudges (``c < k`` or ``c > capacity``, e.g. for inputs with huge
-numbers of exact ties), ``jax.lax.cond`` takes the exact ``jax.lax.top_k`` path instead; the
+numbers of exact ties) or ``t`` is not a normal float (0, subnormal or NaN),
+``jax.lax.cond`` takes the exact ``jax.lax.top_k`` path instead; the
 outcome is the same set either way, only the time differs.
 
 References:
@@ -42,12 +45,19 @@ WORD = 32
 # Below this many elements a plain ``jax.lax.top_k`` is as fast as the sampled path.
 MIN_FAST_SIZE = 1 << 15
 _SAMPLE_KEY = (0x5EED, 0x70B5)
+_BIT_VALUES = np.left_shift(np.uint32(1), np.arange(WORD, dtype=np.uint32))
 # Up to this k, one row's k-th largest is read off ``jax.lax.top_k`` rather than searched in
 # 31 passes: each pass is an iteration of an XLA while loop, ~4 us of overhead on the CPU
 # backend, while its TopK kernel finds the 40th largest of 2,048 in ~18 us, the 327th of 970
 # in ~27 us and the 760th of 65,536 in ~0.45 ms (the search: 113 us, 71 us, 2.1 ms).
 TOP_K_MAX = 1024
-# Counters per row of the bitwise search's counting passes (see _radix_kth).
+# A single row's k-th largest is read off jax.lax.top_k while k <= n / TOP_K_SHARE, and
+# searched digit by digit above that up to DIGIT_MAX_SIZE elements (see kth_largest_bits).
+TOP_K_SHARE = 20
+DIGIT_MAX_SIZE = 1 << 14
+# Bits resolved per pass of the digit search (see _digit_kth): 2^3 trial values per pass.
+DIGIT_BITS = 3
+# Counters per row of the searches' counting passes (see _radix_kth, _digit_kth).
 LANES = 128
 # Deviations of the candidates' count between k, its expected value and the capacity.
 SIGMAS = 6
@@ -71,6 +81,23 @@ def _select_bit(words: jax.Array, rank: jax.Array) -> jax.Array:
     words = jnp.where(skip, words >> width, words)
     bit = jnp.where(skip, bit + width, bit)
   return bit
+
+
+def words_at_least(values: jax.Array, threshold: jax.Array) -> jax.Array:
+  """:func:`bit_words` of ``values >= threshold`` for each row, NaN counted as passing:
+  uint32 of shape ``(rows, ceil(d / 32))`` for ``values`` of shape ``(rows, d)`` and
+  ``threshold`` of shape ``(rows,)``.
+
+  Written as ``where(values < threshold, 0, bit)``: a float compare and a select per
+  element, no bit cast or shift, so that XLA's CPU cost model counts the pass as
+  memory-bound and runs it as one task. As an integer compare of the bits it counted as
+  compute-bound and was split into parallel tasks (8 on the 8 simulated devices of a 2-core
+  host), whose hand-offs cost more than the pass (32,768 elements: ~15% of the selection).
+  """
+  below = values < threshold[:, None]
+  below = jnp.pad(below, ((0, 0), (0, (-values.shape[1]) % WORD)), constant_values=True)
+  below = below.reshape(values.shape[0], -1, WORD)
+  return jnp.sum(jnp.where(below, jnp.uint32(0), _BIT_VALUES), axis=2, dtype=jnp.uint32)
 
 
 def compact(mask: jax.Array, count: int) -> jax.Array:
@@ -119,13 +146,17 @@ def count_true(mask: jax.Array) -> jax.Array:
 
 def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
   """The ``k``-th largest of each row of non-negative int32 ``bits`` (shape ``(n,)`` or
-  ``(rows, n)``; ``-1`` entries never count while a row holds at least ``k`` others).
+  ``(rows, n)``; negative entries, such as ``-1`` for an empty slot, never count while a
+  row holds at least ``k`` others).
 
   Non-negative float32 values order like their int32 bit patterns, so this is also the
-  ``k``-th largest magnitude. A single row with ``k <= TOP_K_MAX`` takes the smallest of
-  ``jax.lax.top_k``'s values; otherwise each row is searched bit by bit
-  (:func:`_radix_kth`), because XLA's CPU backend lowers a batched or large-``k`` top-k to
-  a sort.
+  ``k``-th largest magnitude. A single row takes the smallest of ``jax.lax.top_k``'s values
+  while ``k <= TOP_K_MAX`` and ``k <= n / TOP_K_SHARE``; XLA's CPU TopK kernel costs ~5 ns
+  per element plus ~0.13 us per kept one (a heap of ``k``, then its sort), so a larger
+  share of a row of at most ``DIGIT_MAX_SIZE`` is searched digit by digit instead
+  (:func:`_digit_kth`; the 327th largest of 2,009: ~25 against ~65 us). Longer rows, and
+  batches of rows (which XLA's CPU backend sorts rather than pass to its TopK kernel), are
+  searched bit by bit (:func:`_radix_kth`).
 
   Returns:
     int32 of shape ``()`` or ``(rows,)``.
@@ -134,13 +165,36 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
     if bits.shape[0] == 1:
       return kth_largest_bits(bits[0], k)[None]
     return _radix_kth(bits, k)
-  if k > TOP_K_MAX:
-    return _radix_kth(bits[None], k)[0]
-  # -1 (no entry) becomes +0.0, the smallest magnitude: with >= k other entries, all >= 0,
+  size = bits.shape[0]
+  if k > TOP_K_MAX or k * TOP_K_SHARE > size:
+    return _digit_kth(bits, k) if size <= DIGIT_MAX_SIZE else _radix_kth(bits[None], k)[0]
+  # A negative entry becomes +0.0, the smallest magnitude: with >= k other entries, all >= 0,
   # the k-th largest is unchanged. The minimum of the values (not the k-th index) keeps
-  # XLA's CPU TopK kernel; reading one index of its output made XLA lower it to a sort.
+  # XLA's CPU TopK kernel; reading one index of its output made XLA lower it to a sort. The
+  # minimum is taken over the bits: a float minimum returned NaN whenever a NaN was kept.
   magnitudes = jax.lax.bitcast_convert_type(jnp.maximum(bits, 0), jnp.float32)
-  return jax.lax.bitcast_convert_type(jnp.min(jax.lax.top_k(magnitudes, k)[0]), jnp.int32)
+  return jnp.min(jax.lax.bitcast_convert_type(jax.lax.top_k(magnitudes, k)[0], jnp.int32))
+
+
+def _digit_kth(bits: jax.Array, k: int) -> jax.Array:
+  """:func:`kth_largest_bits` of one row, ``DIGIT_BITS`` bits per pass (11 passes for 31
+  bits): each pass counts the entries at or above every value of the next digit at once and
+  keeps the largest digit that ``k`` of them reach. The counts run down the middle axis of
+  a ``(digits, n / LANES, LANES)`` layout in 16-bit lanes, which XLA's CPU backend
+  vectorizes; ``n <= DIGIT_MAX_SIZE`` keeps each pass one small kernel."""
+  size = bits.shape[0]
+  lanes = jnp.pad(bits, (0, (-size) % LANES), constant_values=-1).reshape(-1, LANES)
+  value = jnp.zeros((), jnp.int32)
+  low = 31
+  while low > 0:
+    width = min(DIGIT_BITS, low)
+    low -= width
+    trials = value + (np.arange(1 << width, dtype=np.int32) << low)
+    reached = (lanes >= trials[:, None, None]).astype(jnp.int16)
+    counts = jnp.sum(jnp.sum(reached, axis=1, dtype=jnp.int16), axis=1, dtype=jnp.int32)
+    # The counts fall as the digit grows, and digit 0 is reached by >= k entries.
+    value = value + (jnp.sum(counts >= k, dtype=jnp.int32) - 1) * (1 << low)
+  return value
 
 
 def _radix_kth(bits: jax.Array, k: int) -> jax.Array:
@@ -236,10 +290,13 @@ def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.A
     return _exact(magnitude(), k)
   positions = sample_positions(size, sample)
   bits = jax.lax.bitcast_convert_type(magnitude(), jnp.int32)
-  threshold = kth_largest_bits(bits[:, positions], rank)
+  threshold = jax.lax.bitcast_convert_type(kth_largest_bits(bits[:, positions], rank),
+                                           jnp.float32)
   # The candidates are packed into bit words once: their population counts give both the
   # count checked below and the compaction (a separate count over d cost 4x the packing).
-  words = jax.vmap(bit_words)(bits >= threshold[:, None])
+  # For a normal threshold (checked below) the float compare passes exactly the elements
+  # whose bits are at or above the threshold's, NaN included.
+  words = words_at_least(magnitude(), threshold)
   counts = jnp.sum(jax.lax.population_count(words).astype(jnp.int32), axis=1)
 
   def candidates(row_bits, row_words):
@@ -252,5 +309,6 @@ def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.A
   where, buffer = jax.vmap(candidates)(bits, words)
   kth = kth_largest_bits(buffer, k)
   fast = jax.vmap(lambda w, b, t: w[_top_of_buffer(b, k, t)])(where, buffer, kth)
-  ok = jnp.all((counts >= k) & (counts <= slots))
+  normal = threshold >= np.finfo(np.float32).tiny
+  ok = jnp.all((counts >= k) & (counts <= slots) & normal)
   return jax.lax.cond(ok, lambda: fast, lambda: _exact(magnitude(), k))
