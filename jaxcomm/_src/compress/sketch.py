@@ -43,6 +43,10 @@ class CountSketchPayload(NamedTuple):
 # Elements per step of the encode and decode loops (the block count rounds it up to whole
 # blocks of `width`): per step the `depth` rows' signed and rotated blocks stay in cache.
 STEP = 1 << 18
+# Slices per step (blocks times rows): each block of a step is rotated by a slice of its own,
+# unrolled in the loop's body (a vmapped slice is a gather, which XLA's CPU backend runs about
+# 4x slower, and which needed the doubled signed blocks of every row in memory).
+SLICES = 64
 
 
 class SketchHashes(NamedTuple):
@@ -82,30 +86,45 @@ def sketch_hashes(key: jax.Array, first_block: int | jax.Array, blocks: int, tot
   return SketchHashes(signs, jnp.minimum(scaled.astype(jnp.int32), width - 1))
 
 
-def _signed(hashes: SketchHashes, row: int, values: jax.Array) -> jax.Array:
-  """``values`` (``(blocks, width)``) times row ``row``'s signs."""
-  bits = hashes.signs[row // 32] >> (row % 32)
-  return jnp.where(bits & 1 == 1, values, -values)
+def _signed(words: jax.Array, row: int, values: jax.Array) -> jax.Array:
+  """``values`` times row ``row``'s signs, given by the sign words ``words`` (the
+  ``signs[row // 32]`` of :class:`SketchHashes`, of ``values``' shape)."""
+  return jnp.where((words >> (row % 32)) & 1 == 1, values, -values)
 
 
-def _rotate(blocks: jax.Array, shifts: jax.Array) -> jax.Array:
-  """Each row of ``blocks`` (``(n, width)``, or one ``(width,)`` row for all) rotated left by
-  its shift (``(n,)``, in ``[0, width)``): ``out[b, p] = blocks[b, (p + shifts[b]) mod width]``,
-  a slice of the doubled row (a contiguous copy, where an index per element is a gather)."""
-  width = blocks.shape[-1]
-  doubled = jnp.concatenate([blocks, blocks], axis=-1)
-  if blocks.ndim == 1:
-    return jax.vmap(lambda shift: jax.lax.dynamic_slice(doubled, (shift,), (width,)))(shifts)
-  return jax.vmap(lambda row, shift: jax.lax.dynamic_slice(row, (shift,), (width,)))(
-      doubled, shifts)
+def _doubled(blocks: jax.Array) -> jax.Array:
+  """Each block (last axis, ``width``) followed by itself: a rotation by ``s`` of a block is
+  the window of ``width`` elements of its doubled copy from ``s``, a contiguous slice."""
+  return jnp.concatenate([blocks, blocks], axis=-1)
 
 
-def _blocks(size: int, width: int) -> tuple[int, int, int]:
+def _window(doubled: jax.Array, start: jax.Array, width: int) -> jax.Array:
+  """``width`` elements of ``doubled`` (last axis) from ``start`` (traced, in ``[0, width]``)."""
+  return jax.lax.dynamic_slice_in_dim(doubled, start, width, axis=-1)
+
+
+def _blocks(size: int, width: int, depth: int) -> tuple[int, int, int]:
   """``(blocks, steps, blocks per step)``: the ``ceil(size / width)`` blocks (at least one)
-  and the loops over them."""
+  and the loops over them. A step is a power of two of blocks, at most ``STEP`` elements and
+  ``SLICES`` slices of ``depth`` rows."""
   total = -(-max(size, 1) // width)
-  per_step = min(total, max(1, STEP // width))
+  bound = max(1, min(STEP // width, SLICES // depth))
+  per_step = min(total, 1 << (bound.bit_length() - 1))
   return total, -(-total // per_step), per_step
+
+
+def _kept(values: jax.Array, indices: jax.Array) -> jax.Array:
+  """A mask of ``indices``, the positions of the ``k`` largest ``|values|`` (1-D, ties to the
+  lower position, as :func:`~jaxcomm._src.compress.select.largest_k` picks them): those above
+  the ``k``-th largest magnitude ``t``, and those at ``t`` up to the last one picked. One pass
+  over ``values``, where a scatter into zeros writes ``k`` random positions of a fresh array.
+  """
+  picked = jnp.abs(values[indices])
+  kth = jnp.min(picked)
+  last_tie = jnp.max(jnp.where(picked == kth, indices, -1))
+  magnitude = jnp.abs(values)
+  position = jax.lax.iota(jnp.int32, values.shape[0])
+  return (magnitude > kth) | ((magnitude == kth) & (position <= last_tie))
 
 
 # Deepest sketch whose median is taken by a sorting network; deeper ones sort.
@@ -209,16 +228,24 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     next_key, hash_key = jax.random.split(state.key)
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
-    total, steps, per_step = _blocks(size, width)
+    total, steps, per_step = _blocks(size, width, depth)
     values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
 
     def add_step(table, item):
       step, step_values = item
       hashes = sketch_hashes(hash_key, step * per_step, per_step, total, width, depth)
-      # Bucket (p + shift) mod width of block element p: the signed block rotated right.
-      rows = [table[row] + jnp.sum(_rotate(_signed(hashes, row, step_values),
-                                           (width - hashes.shifts[row]) % width), axis=0)
-              for row in range(depth)]
+      # Doubled once for all rows; the barrier keeps XLA from hashing again in every slice.
+      doubled, signs = jax.lax.optimization_barrier(
+          (_doubled(step_values), _doubled(hashes.signs)))
+      rows = []
+      for row in range(depth):
+        # Bucket (p + shift) mod width of block element p: the block rotated right, i.e. the
+        # window of the doubled block from width - shift.
+        starts = (width - hashes.shifts[row]) % width
+        rows.append(table[row] + sum(
+            _signed(_window(signs[row // 32, block], starts[block], width), row,
+                    _window(doubled[block], starts[block], width))
+            for block in range(per_step)))
       return jnp.stack(rows), None
 
     # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
@@ -228,21 +255,25 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    total, steps, per_step = _blocks(size, width)
+    total, steps, per_step = _blocks(size, width, depth)
+    tables = _doubled(payload.table)
 
     def estimate_step(step):
       hashes = sketch_hashes(payload.key, step * per_step, per_step, total, width, depth)
-      # Element p of a block reads bucket (p + shift) mod width: the row rotated left.
-      return median_of_rows([_signed(hashes, row, _rotate(payload.table[row],
-                                                          hashes.shifts[row]))
-                             for row in range(depth)])
+      hashes = jax.lax.optimization_barrier(hashes)
+      # Element p of a block reads bucket (p + shift) mod width: the window of the doubled row
+      # from the shift.
+      return jnp.stack([median_of_rows([
+          _signed(hashes.signs[row // 32, block], row,
+                  _window(tables[row], hashes.shifts[row, block], width))
+          for row in range(depth)]) for block in range(per_step)])
 
     estimates = jax.lax.map(estimate_step, jnp.arange(steps, dtype=jnp.int32))
     estimates = estimates.reshape(-1)[:size]
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
-      indices = largest_k(estimates, kept, by_magnitude=True)
-      estimates = jnp.zeros(size, jnp.float32).at[indices].set(estimates[indices])
+      estimates = jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)),
+                            estimates, 0.0)
     return estimates.reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
