@@ -43,10 +43,14 @@ class CountSketchPayload(NamedTuple):
 # Elements per step of the encode and decode loops (the block count rounds it up to whole
 # blocks of `width`): per step the `depth` rows' signed and rotated blocks stay in cache.
 STEP = 1 << 18
-# Slices per step (blocks times rows): each block of a step is rotated by a slice of its own,
-# unrolled in the loop's body (a vmapped slice is a gather, which XLA's CPU backend runs about
-# 4x slower, and which needed the doubled signed blocks of every row in memory).
-SLICES = 64
+# Sketches of 3 to 8 rows over blocks of at least UNROLL_WIDTH elements rotate each block by
+# a slice of its own per row, unrolled in the loop's body over steps of UNROLL blocks (16M
+# elements in blocks of 16,384, 5 rows: encode 105 -> 29 ms of CPU; 4M in blocks of 512, 5
+# rows: encode + decode 34 -> 14 ms). Others rotate a step's blocks by one vmapped slice per row
+# (a gather), which is faster for one or two rows (4M in blocks of 4,096, 2 rows: 11 against
+# 14 ms) and for narrow blocks. With fewer slices per step than about 16, XLA's CPU backend
+# fused the hashing into the rows' loop unvectorized (decode 5x slower).
+UNROLL, UNROLL_DEPTHS, UNROLL_WIDTH = 8, range(3, 9), 512
 
 
 class SketchHashes(NamedTuple):
@@ -74,16 +78,33 @@ def sketch_hashes(key: jax.Array, first_block: int | jax.Array, blocks: int, tot
   hash's top 24 bits ``m`` scaled, ``floor(m width / 2^24)``: each bucket gets ``floor`` or
   ``ceil`` of ``2^24 / width`` of the values of ``m`` (a relative bias below ``width / 2^24``).
   """
+  return SketchHashes(_signs(key, first_block, blocks, total_blocks, width, depth),
+                      _shifts(key, first_block, blocks, total_blocks, width, depth))
+
+
+def _signs(key, first_block, blocks, total_blocks, width, depth) -> jax.Array:
+  """The ``signs`` of :func:`sketch_hashes`."""
   size = total_blocks * width
-  words = -(-depth // 32)
   element = (jnp.arange(blocks * width, dtype=jnp.uint32).reshape(blocks, width)
              + jnp.asarray(first_block).astype(jnp.uint32) * jnp.uint32(width))
-  signs = jnp.stack([bits_at(key, element + jnp.uint32(q * size)) for q in range(words)])
+  return jnp.stack([bits_at(key, element + jnp.uint32(q * size)) for q in range(-(-depth // 32))])
+
+
+def _shifts(key, first_block, blocks, total_blocks, width, depth) -> jax.Array:
+  """The ``shifts`` of :func:`sketch_hashes`."""
   block = (jnp.arange(blocks, dtype=jnp.uint32)[None, :] + jnp.asarray(first_block).astype(
       jnp.uint32) + jnp.arange(depth, dtype=jnp.uint32)[:, None] * jnp.uint32(total_blocks))
-  drawn = bits_at(key, block + jnp.uint32(words * size))
+  drawn = bits_at(key, block + jnp.uint32(-(-depth // 32) * total_blocks * width))
   scaled = (drawn >> 8).astype(jnp.float32) * jnp.float32(width / 2.0**24)
-  return SketchHashes(signs, jnp.minimum(scaled.astype(jnp.int32), width - 1))
+  return jnp.minimum(scaled.astype(jnp.int32), width - 1)
+
+
+def _step_shifts(key, steps, per_step, total_blocks, width, depth) -> jax.Array:
+  """The shifts of all ``steps * per_step`` blocks, int32 ``(steps, depth, per_step)``, for
+  the loops: computed once before them, as per-block scalars inside a fused loop over the
+  elements XLA's CPU backend hashed them again for every element (decode 7x slower)."""
+  shifts = _shifts(key, 0, steps * per_step, total_blocks, width, depth)
+  return shifts.reshape(depth, steps, per_step).transpose(1, 0, 2)
 
 
 def _signed(words: jax.Array, row: int, values: jax.Array) -> jax.Array:
@@ -103,13 +124,60 @@ def _window(doubled: jax.Array, start: jax.Array, width: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(doubled, start, width, axis=-1)
 
 
+def _rotate(blocks: jax.Array, shifts: jax.Array) -> jax.Array:
+  """Each row of ``blocks`` (``(n, width)``, or one ``(width,)`` row for all) rotated left by
+  its shift (``(n,)``, in ``[0, width)``): ``out[b, p] = blocks[b, (p + shifts[b]) mod width]``,
+  a window of the doubled row for each (a gather)."""
+  width = blocks.shape[-1]
+  doubled = _doubled(blocks)
+  if blocks.ndim == 1:
+    return jax.vmap(lambda shift: _window(doubled, shift, width))(shifts)
+  return jax.vmap(lambda row, shift: _window(row, shift, width))(doubled, shifts)
+
+
+def _unrolled(width: int, depth: int) -> bool:
+  """Whether a sketch's blocks are rotated by one slice per block and row."""
+  return width >= UNROLL_WIDTH and depth in UNROLL_DEPTHS
+
+
+def _step_table(values: jax.Array, hashes: SketchHashes) -> jax.Array:
+  """One step's table, float32 ``(depth, width)``, of its blocks ``values`` (``(blocks,
+  width)``): row ``j`` adds block ``b``'s signed elements rotated right by ``shifts[j, b]``
+  (bucket ``(p + shift) mod width`` of element ``p``), i.e. the window of the doubled block
+  from ``width - shift``."""
+  blocks, width = values.shape
+  starts = (width - hashes.shifts) % width
+  if not _unrolled(width, hashes.shifts.shape[0]):
+    return jnp.stack([jnp.sum(_rotate(_signed(hashes.signs[row // 32], row, values), start), 0)
+                      for row, start in enumerate(starts)])
+  # Doubled once for all rows; the barrier keeps XLA from hashing again in every slice.
+  doubled, signs = jax.lax.optimization_barrier((_doubled(values), _doubled(hashes.signs)))
+  return jnp.stack([sum(_signed(_window(signs[row // 32, block], start[block], width), row,
+                                _window(doubled[block], start[block], width))
+                        for block in range(blocks)) for row, start in enumerate(starts)])
+
+
+def _step_estimates(table: jax.Array, hashes: SketchHashes) -> jax.Array:
+  """One step's estimates, float32 ``(blocks, width)``, from the table (``(depth, width)``):
+  element ``p`` of block ``b`` reads bucket ``(p + shifts[j, b]) mod width`` of row ``j``,
+  signed; the median over the rows."""
+  depth, width = table.shape
+  blocks = hashes.shifts.shape[1]
+  if not _unrolled(width, depth):
+    return median_of_rows([_signed(hashes.signs[row // 32], row, _rotate(table[row], shifts))
+                           for row, shifts in enumerate(hashes.shifts)])
+  doubled = _doubled(table)
+  return jnp.stack([median_of_rows([
+      _signed(hashes.signs[row // 32, block], row,
+              _window(doubled[row], hashes.shifts[row, block], width))
+      for row in range(depth)]) for block in range(blocks)])
+
+
 def _blocks(size: int, width: int, depth: int) -> tuple[int, int, int]:
   """``(blocks, steps, blocks per step)``: the ``ceil(size / width)`` blocks (at least one)
-  and the loops over them. A step is a power of two of blocks, at most ``STEP`` elements and
-  ``SLICES`` slices of ``depth`` rows."""
+  and the loops over them."""
   total = -(-max(size, 1) // width)
-  bound = max(1, min(STEP // width, SLICES // depth))
-  per_step = min(total, 1 << (bound.bit_length() - 1))
+  per_step = min(total, UNROLL if _unrolled(width, depth) else max(1, STEP // width))
   return total, -(-total // per_step), per_step
 
 
@@ -232,43 +300,28 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
 
     def add_step(table, item):
-      step, step_values = item
-      hashes = sketch_hashes(hash_key, step * per_step, per_step, total, width, depth)
-      # Doubled once for all rows; the barrier keeps XLA from hashing again in every slice.
-      doubled, signs = jax.lax.optimization_barrier(
-          (_doubled(step_values), _doubled(hashes.signs)))
-      rows = []
-      for row in range(depth):
-        # Bucket (p + shift) mod width of block element p: the block rotated right, i.e. the
-        # window of the doubled block from width - shift.
-        starts = (width - hashes.shifts[row]) % width
-        rows.append(table[row] + sum(
-            _signed(_window(signs[row // 32, block], starts[block], width), row,
-                    _window(doubled[block], starts[block], width))
-            for block in range(per_step)))
-      return jnp.stack(rows), None
+      step, step_values, shifts = item
+      signs = _signs(hash_key, step * per_step, per_step, total, width, depth)
+      return table + _step_table(step_values, SketchHashes(signs, shifts)), None
 
     # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
     table, _ = jax.lax.scan(add_step, jnp.zeros_like(flat, shape=(depth, width)),
-                            (jnp.arange(steps, dtype=jnp.int32), values))
+                            (jnp.arange(steps, dtype=jnp.int32), values,
+                             _step_shifts(hash_key, steps, per_step, total, width, depth)))
     return CountSketchPayload(table, hash_key), CountSketchState(next_key)
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
     total, steps, per_step = _blocks(size, width, depth)
-    tables = _doubled(payload.table)
 
-    def estimate_step(step):
-      hashes = sketch_hashes(payload.key, step * per_step, per_step, total, width, depth)
-      hashes = jax.lax.optimization_barrier(hashes)
-      # Element p of a block reads bucket (p + shift) mod width: the window of the doubled row
-      # from the shift.
-      return jnp.stack([median_of_rows([
-          _signed(hashes.signs[row // 32, block], row,
-                  _window(tables[row], hashes.shifts[row, block], width))
-          for row in range(depth)]) for block in range(per_step)])
+    def estimate_step(item):
+      step, shifts = item
+      signs = _signs(payload.key, step * per_step, per_step, total, width, depth)
+      return _step_estimates(payload.table, SketchHashes(signs, shifts))
 
-    estimates = jax.lax.map(estimate_step, jnp.arange(steps, dtype=jnp.int32))
+    estimates = jax.lax.map(estimate_step, (
+        jnp.arange(steps, dtype=jnp.int32),
+        _step_shifts(payload.key, steps, per_step, total, width, depth)))
     estimates = estimates.reshape(-1)[:size]
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
