@@ -46,11 +46,13 @@ STEP = 1 << 18
 # Sketches of 3 to 8 rows over blocks of at least UNROLL_WIDTH elements rotate each block by
 # a slice of its own per row, unrolled in the loop's body over steps of UNROLL blocks (16M
 # elements in blocks of 16,384, 5 rows: encode 105 -> 29 ms of CPU; 4M in blocks of 512, 5
-# rows: encode + decode 34 -> 14 ms). Others rotate a step's blocks by one vmapped slice per row
-# (a gather), which is faster for one or two rows (4M in blocks of 4,096, 2 rows: 11 against
-# 14 ms) and for narrow blocks. With fewer slices per step than about 16, XLA's CPU backend
-# fused the hashing into the rows' loop unvectorized (decode 5x slower).
-UNROLL, UNROLL_DEPTHS, UNROLL_WIDTH = 8, range(3, 9), 512
+# rows: encode + decode 34 -> 14 ms), and so do other sketches whose input is a single step of
+# UNROLL_SLICES slices (blocks times rows; 50,304 elements in blocks of 1,006, one row: 475 ->
+# 240 us). The others rotate a step's blocks by one vmapped slice per row (a gather), which is
+# faster over several steps for one or two rows (4M in blocks of 4,096, 2 rows: 11 against 14
+# ms) and for narrow blocks. With fewer than about 16 slices per step, XLA's CPU backend fused
+# the hashing into the rows' loop unvectorized (decode 5x slower).
+UNROLL, UNROLL_DEPTHS, UNROLL_WIDTH, UNROLL_SLICES = 8, range(3, 9), 512, range(16, 65)
 
 
 class SketchHashes(NamedTuple):
@@ -135,35 +137,30 @@ def _rotate(blocks: jax.Array, shifts: jax.Array) -> jax.Array:
   return jax.vmap(lambda row, shift: _window(row, shift, width))(doubled, shifts)
 
 
-def _unrolled(width: int, depth: int) -> bool:
-  """Whether a sketch's blocks are rotated by one slice per block and row."""
-  return width >= UNROLL_WIDTH and depth in UNROLL_DEPTHS
-
-
-def _step_table(values: jax.Array, hashes: SketchHashes) -> jax.Array:
+def _step_table(values: jax.Array, hashes: SketchHashes, unrolled: bool) -> jax.Array:
   """One step's table, float32 ``(depth, width)``, of its blocks ``values`` (``(blocks,
   width)``): row ``j`` adds block ``b``'s signed elements rotated right by ``shifts[j, b]``
   (bucket ``(p + shift) mod width`` of element ``p``), i.e. the window of the doubled block
   from ``width - shift``."""
   blocks, width = values.shape
   starts = (width - hashes.shifts) % width
-  if not _unrolled(width, hashes.shifts.shape[0]):
+  if not unrolled:
     return jnp.stack([jnp.sum(_rotate(_signed(hashes.signs[row // 32], row, values), start), 0)
                       for row, start in enumerate(starts)])
-  # Doubled once for all rows; the barrier keeps XLA from hashing again in every slice.
-  doubled, signs = jax.lax.optimization_barrier((_doubled(values), _doubled(hashes.signs)))
+  # The values and sign words are doubled once per step, for all rows.
+  doubled, signs = _doubled(values), _doubled(hashes.signs)
   return jnp.stack([sum(_signed(_window(signs[row // 32, block], start[block], width), row,
                                 _window(doubled[block], start[block], width))
                         for block in range(blocks)) for row, start in enumerate(starts)])
 
 
-def _step_estimates(table: jax.Array, hashes: SketchHashes) -> jax.Array:
+def _step_estimates(table: jax.Array, hashes: SketchHashes, unrolled: bool) -> jax.Array:
   """One step's estimates, float32 ``(blocks, width)``, from the table (``(depth, width)``):
   element ``p`` of block ``b`` reads bucket ``(p + shifts[j, b]) mod width`` of row ``j``,
   signed; the median over the rows."""
   depth, width = table.shape
   blocks = hashes.shifts.shape[1]
-  if not _unrolled(width, depth):
+  if not unrolled:
     return median_of_rows([_signed(hashes.signs[row // 32], row, _rotate(table[row], shifts))
                            for row, shifts in enumerate(hashes.shifts)])
   doubled = _doubled(table)
@@ -173,12 +170,15 @@ def _step_estimates(table: jax.Array, hashes: SketchHashes) -> jax.Array:
       for row in range(depth)]) for block in range(blocks)])
 
 
-def _blocks(size: int, width: int, depth: int) -> tuple[int, int, int]:
-  """``(blocks, steps, blocks per step)``: the ``ceil(size / width)`` blocks (at least one)
-  and the loops over them."""
+def _blocks(size: int, width: int, depth: int) -> tuple[int, int, int, bool]:
+  """``(blocks, steps, blocks per step, unrolled)``: the ``ceil(size / width)`` blocks (at
+  least one), the loops over them, and whether a step rotates its blocks by unrolled slices."""
   total = -(-max(size, 1) // width)
-  per_step = min(total, UNROLL if _unrolled(width, depth) else max(1, STEP // width))
-  return total, -(-total // per_step), per_step
+  if width >= UNROLL_WIDTH and depth in UNROLL_DEPTHS:
+    return total, -(-total // UNROLL), min(total, UNROLL), True
+  per_step = min(total, max(1, STEP // width))
+  unrolled = width >= UNROLL_WIDTH and per_step == total and total * depth in UNROLL_SLICES
+  return total, -(-total // per_step), per_step, unrolled
 
 
 def _kept(values: jax.Array, indices: jax.Array) -> jax.Array:
@@ -296,13 +296,13 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     next_key, hash_key = jax.random.split(state.key)
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
-    total, steps, per_step = _blocks(size, width, depth)
+    total, steps, per_step, unrolled = _blocks(size, width, depth)
     values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
 
     def add_step(table, item):
       step, step_values, shifts = item
       signs = _signs(hash_key, step * per_step, per_step, total, width, depth)
-      return table + _step_table(step_values, SketchHashes(signs, shifts)), None
+      return table + _step_table(step_values, SketchHashes(signs, shifts), unrolled), None
 
     # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
     table, _ = jax.lax.scan(add_step, jnp.zeros_like(flat, shape=(depth, width)),
@@ -312,12 +312,12 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    total, steps, per_step = _blocks(size, width, depth)
+    total, steps, per_step, unrolled = _blocks(size, width, depth)
 
     def estimate_step(item):
       step, shifts = item
       signs = _signs(payload.key, step * per_step, per_step, total, width, depth)
-      return _step_estimates(payload.table, SketchHashes(signs, shifts))
+      return _step_estimates(payload.table, SketchHashes(signs, shifts), unrolled)
 
     estimates = jax.lax.map(estimate_step, (
         jnp.arange(steps, dtype=jnp.int32),
