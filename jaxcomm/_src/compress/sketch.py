@@ -84,16 +84,18 @@ def sketch_hashes(key: jax.Array, first_block: int | jax.Array, blocks: int, tot
                       _shifts(key, first_block, blocks, total_blocks, width, depth))
 
 
-def _signs(key, first_block, blocks, total_blocks, width, depth) -> jax.Array:
-  """The ``signs`` of :func:`sketch_hashes`."""
+def _signs(key: jax.Array, first_block: int | jax.Array, blocks: int, total_blocks: int,
+           width: int, depth: int) -> jax.Array:
+  """The ``signs`` of :func:`sketch_hashes`: uint32 ``(ceil(depth / 32), blocks, width)``."""
   size = total_blocks * width
   element = (jnp.arange(blocks * width, dtype=jnp.uint32).reshape(blocks, width)
              + jnp.asarray(first_block).astype(jnp.uint32) * jnp.uint32(width))
   return jnp.stack([bits_at(key, element + jnp.uint32(q * size)) for q in range(-(-depth // 32))])
 
 
-def _shifts(key, first_block, blocks, total_blocks, width, depth) -> jax.Array:
-  """The ``shifts`` of :func:`sketch_hashes`."""
+def _shifts(key: jax.Array, first_block: int | jax.Array, blocks: int, total_blocks: int,
+            width: int, depth: int) -> jax.Array:
+  """The ``shifts`` of :func:`sketch_hashes`: int32 ``(depth, blocks)``."""
   block = (jnp.arange(blocks, dtype=jnp.uint32)[None, :] + jnp.asarray(first_block).astype(
       jnp.uint32) + jnp.arange(depth, dtype=jnp.uint32)[:, None] * jnp.uint32(total_blocks))
   drawn = bits_at(key, block + jnp.uint32(-(-depth // 32) * total_blocks * width))
@@ -101,7 +103,8 @@ def _shifts(key, first_block, blocks, total_blocks, width, depth) -> jax.Array:
   return jnp.minimum(scaled.astype(jnp.int32), width - 1)
 
 
-def _step_shifts(key, steps, per_step, total_blocks, width, depth) -> jax.Array:
+def _step_shifts(key: jax.Array, steps: int, per_step: int, total_blocks: int, width: int,
+                 depth: int) -> jax.Array:
   """The shifts of all ``steps * per_step`` blocks, int32 ``(steps, depth, per_step)``, for
   the loops: computed once before them, as per-block scalars inside a fused loop over the
   elements XLA's CPU backend hashed them again for every element (16M, 2 rows in steps of 4
