@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, cast, compose, count_sketch, error_feedback,
@@ -267,7 +267,8 @@ def test_count_sketch_linear_and_recovers_heavy_hitters():
 
 @pytest.mark.parametrize("size,width,depth,seed", [(1000, 64, 3, 0), (2501, 7, 1, 1),
                                                    (300, 512, 5, 2), (1200, 100, 33, 3),
-                                                   (700, 50, 64, 4)])
+                                                   (700, 50, 64, 4), (20000, 512, 5, 5),
+                                                   (9000, 600, 8, 6), (5000, 512, 2, 7)])
 def test_count_sketch_adds_each_block_rotated_with_signs(size, width, depth, seed):
   """Table and estimates against a dense reference of the documented hashes: element
   ``b width + p`` goes to bucket ``(p + shifts[j, b]) mod width`` of row ``j`` with the sign of
@@ -293,6 +294,26 @@ def test_count_sketch_adds_each_block_rotated_with_signs(size, width, depth, see
                              rtol=1e-5, atol=1e-5)
   if size <= width:  # one block: no collisions, an exact round trip
     np.testing.assert_allclose(compressor.decode(payload, (size,)), x, rtol=1e-6)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None)
+@example(size=40000, heavy=0.01, levels=40, seed=1)  # largest_k's sampled path (>= 2^15)
+@given(size=st.integers(1, 600), heavy=st.sampled_from([0.01, 0.1, 0.5, 1.0]),
+       levels=st.integers(1, 4), seed=st.integers(0, 2**16))
+def test_count_sketch_heavy_hitters_are_the_largest_estimates_ties_to_lower_positions(
+    size, heavy, levels, seed):
+  """With ``heavy``, the decode keeps exactly ``max(1, floor(heavy d))`` estimates: the
+  largest magnitudes, ties to the lower position (as ``jax.lax.top_k``), the rest 0. One block
+  (``d <= width``) decodes exactly, so the estimates are the input, here with many ties."""
+  compressor = count_sketch(1 << 16, 3, heavy=heavy, seed=seed)
+  x = np.random.default_rng(seed).integers(-levels, levels + 1, size).astype(np.float32)
+  payload, _ = compressor.encode(jnp.asarray(x), compressor.init((size,), jnp.float32), None)
+  kept = max(1, int(np.floor(heavy * size)))
+  order = np.argsort(-np.abs(x), kind="stable")[:kept]
+  expected = np.zeros(size, np.float32)
+  expected[order] = x[order]
+  np.testing.assert_array_equal(jax.jit(compressor.decode, static_argnums=1)(payload, (size,)),
+                                expected)
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, database=None)

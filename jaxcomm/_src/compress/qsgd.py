@@ -27,6 +27,15 @@ class QSGDPayload(NamedTuple):
   norm: jax.Array
 
 
+def _materialized(codes: jax.Array) -> jax.Array:
+  """``codes`` (1-D), computed into memory once before they are packed. Fused into the packing
+  loop, XLA's CPU backend computed each code (a division and a hash) once for every byte it
+  overlaps, unvectorized (1M elements, 6 bits: encode 2.3 -> 1.5 ms of CPU); the backend does
+  not fuse a reduction into its consumer, so the codes are OR-ed with zeros over a pair."""
+  pair = jnp.stack([codes, jnp.zeros_like(codes)], axis=1)
+  return jax.lax.reduce(pair, jnp.zeros((), codes.dtype), jax.lax.bitwise_or, (1,))
+
+
 def qsgd_bits(levels: int) -> int:
   """Bits per element: ``ceil(log2(s + 1))`` for the level in ``[0, s]`` plus 1 for the sign."""
   return math.ceil(math.log2(levels + 1)) + 1
@@ -76,7 +85,7 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
     # Rounding in the ratio can reach s + epsilon for a one-hot input; clip so the code fits.
     level = jnp.clip(level, 0, levels).astype(jnp.uint8)
     codes = level | jnp.where(flat < 0, jnp.uint8(sign_bit), jnp.uint8(0))
-    return QSGDPayload(pack_bits(codes, bits), norms), state
+    return QSGDPayload(pack_bits(_materialized(codes), bits), norms), state
 
   def decode(payload: QSGDPayload, shape) -> jax.Array:
     size = num_elements(shape)
