@@ -181,6 +181,27 @@ def test_topk_subtract_decoded_is_the_dense_subtraction_bit_for_bit(value_dtype)
     np.testing.assert_array_equal(np.signbit(fast), np.signbit(dense))
 
 
+@pytest.mark.parametrize("shared", [True, False])
+def test_unscaled_randomk_subtract_decoded_is_the_dense_subtraction_bit_for_bit(shared):
+  """Infinities, NaN and signed zeros, sent or not, at a density that sends most of the
+  special values on some key; error feedback keeps the fast path."""
+  compressor = jaxcomm.randomk(0.5, shared=shared, scale=False, seed=7)
+  assert jaxcomm.error_feedback(compressor).subtract_decoded is compressor.subtract_decoded
+  for seed in range(4):
+    x = (_with_special_values(301, seed) if seed % 2 else
+         -_with_special_values(301, seed)).reshape(7, 43)
+    payload, _ = _roundtrip(compressor, x, seed)
+    dense = jax.jit(lambda x, p: x - compressor.decode(p, x.shape))(x, payload)
+    fast = jax.jit(compressor.subtract_decoded)(x, payload)
+    np.testing.assert_array_equal(fast, dense)
+    np.testing.assert_array_equal(np.signbit(fast), np.signbit(dense))
+
+
+def test_scaled_randomk_keeps_the_dense_subtraction():
+  # x - v * (d / k) in one fused kernel rounds once (an FMA), the dense path twice.
+  assert jaxcomm.randomk(0.5).subtract_decoded is None
+
+
 @pytest.mark.parametrize("make", [lambda: jaxcomm.topk(0.05), jaxcomm.sign])
 def test_bounded_error_feedback_equals_the_dense_formula_bit_for_bit(make):
   """The residual against ``corrected - decode(payload)``, capped and then checked, as

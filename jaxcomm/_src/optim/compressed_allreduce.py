@@ -207,35 +207,41 @@ def _check_arguments(compressor, feedback, nonfinite) -> None:
   check_nonfinite_mode(nonfinite)
 
 
-def _reduce_buckets(packed: list[jax.Array], topologies, level_states, estimates,
+def _level_inputs(packed: list[jax.Array], estimates) -> list[jax.Array]:
+  """What the levels reduce of each bucket: float32 where it keeps an EF21 estimate (so that
+  the estimate stays exactly the mean of the devices' estimates), else the bucket itself."""
+  return [x.astype(jnp.float32) if isinstance(estimate, jax.Array) else x
+          for x, estimate in zip(packed, estimates)]
+
+
+def _reduce_buckets(inputs: list[jax.Array], topologies, level_states, estimates,
                     keys: list[jax.Array]):
-  """``(shards, new level states, new estimates, nonfinite)`` of every bucket, in one engine
-  call (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
+  """``(shards, new level states, new estimates, nonfinite)`` of every bucket's
+  :func:`_level_inputs`, in one engine call
+  (:func:`~jaxcomm.collectives.hierarchical.reduce_shards`: the gather levels send all
   buckets' payloads in one collective); ``nonfinite`` is the bool scalar "some bucket holds a
   NaN or Inf" of this device, not agreed (:class:`~jaxcomm.collectives.hierarchical.ReducedShards`).
 
   With an EF21 estimate the levels return this device's shard of the summed change of the
-  devices' estimates (float32, so that the estimate stays exactly their mean); it is added to
-  the estimate's shard, and :func:`_gather_means` gathers that new shard back (in float32, then
-  cast): the same values as gathering the change and adding the whole estimate, without a pass
-  over a full-size copy.
+  devices' estimates; it is added to the estimate's shard, and :func:`_gather_means` gathers
+  that new shard back (in float32, then cast): the same values as gathering the change and
+  adding the whole estimate, without a pass over a full-size copy.
   """
-  estimated = [isinstance(estimate, jax.Array) for estimate in estimates]
-  inputs = [x.astype(jnp.float32) if e else x for x, e in zip(packed, estimated)]
   shards, level_states, nonfinite = reduce_shards(inputs, topologies, level_states, keys)
-  estimates = [estimate + shard if e else estimate
-               for estimate, shard, e in zip(estimates, shards, estimated)]
+  estimates = [estimate + shard if isinstance(estimate, jax.Array) else estimate
+               for estimate, shard in zip(estimates, shards)]
   return (shards, level_states, estimates,
           functools.reduce(jnp.logical_or, nonfinite, jnp.zeros((), jnp.bool_)))
 
 
-def _gather_means(packed: list[jax.Array], topologies, shards, estimates) -> list[jax.Array]:
+def _gather_means(packed: list[jax.Array], inputs: list[jax.Array], topologies, shards,
+                  estimates) -> list[jax.Array]:
   """Each bucket's mean: its reduced shard, or its EF21 estimate's shard, gathered back over
   the levels and cast to the bucket's dtype."""
-  return [gather_back(estimate if isinstance(estimate, jax.Array) else shard,
-                      x.astype(jnp.float32) if isinstance(estimate, jax.Array) else x,
+  return [gather_back(estimate if isinstance(estimate, jax.Array) else shard, x32,
                       levels).astype(x.dtype)
-          for x, shard, estimate, levels in zip(packed, shards, estimates, topologies)]
+          for x, x32, shard, estimate, levels
+          in zip(packed, inputs, shards, estimates, topologies)]
 
 
 def compressed_allreduce(
@@ -381,9 +387,10 @@ def compressed_allreduce(
       leaves = zero_nonfinite(leaves)
     buckets = plan(grads)
     packed = [bucketing.pack(leaves, bucket) for bucket in buckets]
+    inputs = _level_inputs(packed, state.estimates)
     bucket_topologies = [topologies[bucket.group] for bucket in buckets]
     shards, new_states, estimates, nonfinite_here = _reduce_buckets(
-        packed, bucket_topologies, _cast_residuals(state.level_states, jnp.float32),
+        inputs, bucket_topologies, _cast_residuals(state.level_states, jnp.float32),
         state.estimates, [jax.random.fold_in(step_key, index) for index in range(len(buckets))])
     new_states = keep_finite(_cast_residuals(tuple(new_states), residual_dtype),
                              state.level_states)
@@ -399,7 +406,7 @@ def compressed_allreduce(
       # is skipped (its means are zeroed) or an estimate overflowed from finite inputs (its
       # old, finite entries are sent instead of an Inf).
       estimates = new_state.estimates
-    bucket_means = _gather_means(packed, bucket_topologies, shards, estimates)
+    bucket_means = _gather_means(packed, inputs, bucket_topologies, shards, estimates)
     if nonfinite == "skip":
       bucket_means = zero_if(skip, bucket_means)
     means: list[Any] = [None] * len(leaves)
