@@ -185,6 +185,97 @@ def _blocks(size: int, width: int, depth: int) -> tuple[int, int, int, bool]:
   return total, -(-total // per_step), per_step, unrolled
 
 
+def _table_in_steps(flat: jax.Array, key: jax.Array, width: int, depth: int) -> jax.Array:
+  """The table of ``flat`` (float32 ``(d,)``), float32 ``(depth, width)``, for the CPU: a loop
+  (``jax.lax.scan``) over steps of whole blocks. All ``depth`` rows of signed blocks for the
+  whole input at once are ``depth`` d-sized temporaries, which XLA's CPU runtime allocates (and
+  page-faults) afresh on every call; per step they stay in cache."""
+  size = flat.shape[0]
+  total, steps, per_step, unrolled = _blocks(size, width, depth)
+  values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
+
+  def add_step(table, item):
+    step, step_values, shifts = item
+    signs = _signs(key, step * per_step, per_step, total, width, depth)
+    return table + _step_table(step_values, SketchHashes(signs, shifts), unrolled), None
+
+  # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
+  table, _ = jax.lax.scan(add_step, jnp.zeros_like(flat, shape=(depth, width)),
+                          (jnp.arange(steps, dtype=jnp.int32), values,
+                           _step_shifts(key, steps, per_step, total, width, depth)))
+  return table
+
+
+def _estimates_in_steps(table: jax.Array, key: jax.Array, size: int) -> jax.Array:
+  """The estimates of ``size`` elements from ``table`` (``(depth, width)``), float32
+  ``(size,)``, for the CPU: a loop (``jax.lax.map``) over steps of whole blocks."""
+  depth, width = table.shape
+  total, steps, per_step, unrolled = _blocks(size, width, depth)
+
+  def estimate_step(item):
+    step, shifts = item
+    signs = _signs(key, step * per_step, per_step, total, width, depth)
+    return _step_estimates(table, SketchHashes(signs, shifts), unrolled)
+
+  estimates = jax.lax.map(estimate_step, (
+      jnp.arange(steps, dtype=jnp.int32), _step_shifts(key, steps, per_step, total, width, depth)))
+  return estimates.reshape(-1)[:size]
+
+
+def _table_at_once(flat: jax.Array, key: jax.Array, width: int, depth: int) -> jax.Array:
+  """The table of ``flat`` (float32 ``(d,)``), float32 ``(depth, width)``, for accelerators:
+  all blocks at once, one reduction and no loop (on a GPU a loop over steps of blocks was
+  launch-bound: 256M elements, 2,048 steps of a few small kernels each). The whole blocks are
+  a view of the input and the last, partial one a separate small term: no padded copy."""
+  size = flat.shape[0]
+  total, full = -(-max(size, 1) // width), size // width
+  shifts = _shifts(key, 0, total, total, width, depth)
+  table = _rotated_sums(flat[:full * width].reshape(full, width), key, 0, shifts[:, :full],
+                        total)
+  if full < total:
+    tail = jnp.pad(flat[full * width:], (0, total * width - size)).reshape(1, width)
+    table = table + _rotated_sums(tail, key, full, shifts[:, full:], total)
+  return table
+
+
+def _rotated_sums(blocks: jax.Array, key: jax.Array, first_block: int, shifts: jax.Array,
+                  total_blocks: int) -> jax.Array:
+  """The table, float32 ``(depth, width)``, of ``blocks`` (``(n, width)``: blocks
+  ``first_block`` on of a sketch over ``total_blocks``), given their ``shifts``
+  (``(depth, n)``): bucket ``q`` of row ``j`` sums over the blocks ``b`` their element
+  ``p = (q - shifts[j, b]) mod width``, gathered and signed by its hash (recomputed where it
+  is read, not stored). A single reduction over the blocks, with the gather and the hashing
+  fused into it (one kernel on a GPU)."""
+  (count, width), depth = blocks.shape, shifts.shape[0]
+  row, block, bucket = (jax.lax.broadcasted_iota(jnp.int32, (depth, count, width), axis)
+                        for axis in range(3))
+  source = (bucket - shifts[:, :, None]) % width
+  element = ((block + first_block) * width + source).astype(jnp.uint32)
+  words = bits_at(key, element + (row // 32).astype(jnp.uint32) * jnp.uint32(total_blocks * width))
+  values = jnp.take_along_axis(blocks[None], source, axis=2, mode="promise_in_bounds")
+  return jnp.sum(jnp.where((words >> (row % 32).astype(jnp.uint32)) & 1 == 1, values, -values),
+                 axis=1)
+
+
+def _estimates_at_once(table: jax.Array, key: jax.Array, size: int) -> jax.Array:
+  """The estimates of ``size`` elements from ``table`` (``(depth, width)``), float32
+  ``(size,)``, for accelerators: one elementwise pass over all blocks at once that hashes each
+  element's sign words, gathers its ``depth`` buckets from the (small) table and takes their
+  median; no loop."""
+  depth, width = table.shape
+  total = -(-max(size, 1) // width)
+  shifts = _shifts(key, 0, total, total, width, depth)
+  position = jax.lax.broadcasted_iota(jnp.int32, (total, width), 1)
+  element = (jax.lax.broadcasted_iota(jnp.uint32, (total, width), 0) * jnp.uint32(width)
+             + position.astype(jnp.uint32))
+  words = [bits_at(key, element + jnp.uint32(word * total * width))
+           for word in range(-(-depth // 32))]
+  buckets = [(position + shifts[row][:, None]) % width for row in range(depth)]
+  rows = [_signed(words[row // 32], row, table[row].at[bucket].get(mode="promise_in_bounds"))
+          for row, bucket in enumerate(buckets)]
+  return median_of_rows(rows).reshape(-1)[:size]
+
+
 def _kept(values: jax.Array, indices: jax.Array) -> jax.Array:
   """A mask of ``indices``, the positions of the ``k`` largest ``|values|`` (1-D, ties to the
   lower position, as :func:`~jaxcomm._src.compress.select.largest_k` picks them): those above
@@ -292,41 +383,20 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
     # Folding in the size gives tensors of different sizes different hashes.
     return CountSketchState(jax.random.fold_in(raw_key(seed), num_elements(shape)))
 
-  # Encode and decode loop over steps of whole blocks (`jax.lax.scan`): all `depth` rows of
-  # signed blocks for the whole input at once are `depth` d-sized temporaries, which XLA's
-  # CPU runtime allocates (and page-faults) afresh on every call; per step they stay in cache.
   def encode(x: jax.Array, state: CountSketchState, key: jax.Array):
     del key
     next_key, hash_key = jax.random.split(state.key)
-    flat = x.reshape(-1).astype(jnp.float32)
-    size = flat.shape[0]
-    total, steps, per_step, unrolled = _blocks(size, width, depth)
-    values = jnp.pad(flat, (0, steps * per_step * width - size)).reshape(steps, per_step, width)
-
-    def add_step(table, item):
-      step, step_values, shifts = item
-      signs = _signs(hash_key, step * per_step, per_step, total, width, depth)
-      return table + _step_table(step_values, SketchHashes(signs, shifts), unrolled), None
-
-    # zeros_like keeps the input's varying mesh axes (inside shard_map), as the carry must.
-    table, _ = jax.lax.scan(add_step, jnp.zeros_like(flat, shape=(depth, width)),
-                            (jnp.arange(steps, dtype=jnp.int32), values,
-                             _step_shifts(hash_key, steps, per_step, total, width, depth)))
+    table = jax.lax.platform_dependent(
+        x.reshape(-1).astype(jnp.float32), hash_key,
+        cpu=lambda flat, key: _table_in_steps(flat, key, width, depth),
+        default=lambda flat, key: _table_at_once(flat, key, width, depth))
     return CountSketchPayload(table, hash_key), CountSketchState(next_key)
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    total, steps, per_step, unrolled = _blocks(size, width, depth)
-
-    def estimate_step(item):
-      step, shifts = item
-      signs = _signs(payload.key, step * per_step, per_step, total, width, depth)
-      return _step_estimates(payload.table, SketchHashes(signs, shifts), unrolled)
-
-    estimates = jax.lax.map(estimate_step, (
-        jnp.arange(steps, dtype=jnp.int32),
-        _step_shifts(payload.key, steps, per_step, total, width, depth)))
-    estimates = estimates.reshape(-1)[:size]
+    estimates = jax.lax.platform_dependent(
+        payload.table, payload.key, cpu=lambda table, key: _estimates_in_steps(table, key, size),
+        default=lambda table, key: _estimates_at_once(table, key, size))
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
       estimates = jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)),

@@ -1,0 +1,68 @@
+"""The count sketch's two formulations: a loop over steps of blocks for the CPU, all blocks at
+once for accelerators. Both are run here on the CPU and must agree: same hashes, so the same
+table up to the order of float sums, and the same estimates from one table."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxcomm.compress import count_sketch
+from jaxcomm._src.compress.sketch import (_estimates_at_once, _estimates_in_steps,
+                                          _table_at_once, _table_in_steps)
+
+
+# Unrolled steps (512x5, 16384x5), one unrolled step (1006x1), vmapped slices over several
+# steps (4096x2, 64x3), blocks narrower than the unrolling (7x1), two sign words (33, 64 rows),
+# partial last blocks, and inputs of one block or less.
+@pytest.mark.parametrize("size,width,depth,seed", [
+    (20000, 512, 5, 0), ((1 << 20) + 3, 16384, 5, 1), (50304, 1006, 1, 2),
+    ((1 << 19) + 7, 4096, 2, 3), (1000, 64, 3, 4), (2501, 7, 1, 5), (1200, 100, 33, 6), (700, 50, 64, 7), (300, 512, 5, 8),
+    (1, 16, 3, 9)])
+def test_accelerator_path_equals_cpu_path(size, width, depth, seed):
+  x = jnp.asarray(np.random.default_rng(seed).standard_normal(size).astype(np.float32))
+  key = jax.random.fold_in(jax.random.PRNGKey(seed), size)
+  in_steps = jax.jit(lambda x, key: _table_in_steps(x, key, width, depth))(x, key)
+  at_once = jax.jit(lambda x, key: _table_at_once(x, key, width, depth))(x, key)
+  # Each bucket sums about size / width signed normals: float32 rounding of the order of
+  # 1e-7 sqrt(size / width) sqrt(blocks), far below any one element's contribution.
+  np.testing.assert_allclose(at_once, in_steps, rtol=1e-5, atol=1e-5)
+  estimates = jax.jit(lambda table, key: (_estimates_in_steps(table, key, size),
+                                          _estimates_at_once(table, key, size)))
+  np.testing.assert_array_equal(*estimates(in_steps, key))
+
+
+def _lowered(function, argument, platform):
+  return jax.jit(function).trace(argument).lower(lowering_platforms=(platform,)).as_text()
+
+
+def test_accelerator_lowering_has_no_loop_and_cpu_lowering_loops():
+  """Lowered for a GPU, encode and decode (without ``heavy``, whose selection is
+  ``largest_k``'s) have no while loop, whatever the input size; for the CPU they loop over
+  steps. ``platform_dependent`` keeps only the platform's branch."""
+  size = 1 << 22
+  compressor = count_sketch(16384, 5)
+  state = compressor.init((size,), jnp.float32)
+  x = jax.ShapeDtypeStruct((size,), jnp.float32)
+  encode = lambda x: compressor.encode(x, state, None)[0]
+  payload = jax.eval_shape(encode, x)
+  decode = lambda payload: compressor.decode(payload, (size,))
+  for function, argument in ((encode, x), (decode, payload)):
+    assert "stablehlo.while" not in _lowered(function, argument, "cuda")
+    assert "stablehlo.while" in _lowered(function, argument, "cpu")
+
+
+def test_accelerator_functions_compile_to_a_few_fused_ops_without_a_loop():
+  """Compiled (here for the CPU), the table is one reduction of one fused elementwise input
+  and the estimates one fused elementwise op: no loop, no per-block kernels."""
+  size, width, depth = 1 << 22, 512, 5
+  x = jax.ShapeDtypeStruct((size,), jnp.float32)
+  key = jax.ShapeDtypeStruct((2,), jnp.uint32)
+  table = jax.ShapeDtypeStruct((depth, width), jnp.float32)
+  for function, arguments, most in (
+      (lambda x, key: _table_at_once(x, key, width, depth), (x, key), 2),
+      (lambda table, key: _estimates_at_once(table, key, size), (table, key), 1)):
+    compiled = jax.jit(function).trace(*arguments).lower().compile().as_text()
+    entry = compiled[compiled.index("ENTRY"):]
+    assert " while(" not in compiled
+    assert entry.count(" fusion(") <= most
