@@ -244,13 +244,15 @@ def _rotated_sums(blocks: jax.Array, key: jax.Array, first_block: int, shifts: j
   ``first_block`` on of a sketch over ``total_blocks``), given their ``shifts``
   (``(depth, n)``): bucket ``q`` of row ``j`` sums over the blocks ``b`` their element
   ``p = (q - shifts[j, b]) mod width``, gathered and signed by its hash (recomputed where it
-  is read, not stored). A single reduction over the blocks, with the gather and the hashing
-  fused into it (one kernel on a GPU)."""
+  is read, not stored): a single reduction over the blocks, whose input (the gather and the
+  hashing) XLA can fuse into it, as a GPU backend does with elementwise producers."""
   (count, width), depth = blocks.shape, shifts.shape[0]
   row, block, bucket = (jax.lax.broadcasted_iota(jnp.int32, (depth, count, width), axis)
                         for axis in range(3))
   source = (bucket - shifts[:, :, None]) % width
-  element = ((block + first_block) * width + source).astype(jnp.uint32)
+  # In uint32 as in _signs: element numbers of 2^31 and more wrap as they do there.
+  element = ((block + first_block).astype(jnp.uint32) * jnp.uint32(width)
+             + source.astype(jnp.uint32))
   words = bits_at(key, element + (row // 32).astype(jnp.uint32) * jnp.uint32(total_blocks * width))
   values = jnp.take_along_axis(blocks[None], source, axis=2, mode="promise_in_bounds")
   return jnp.sum(jnp.where((words >> (row % 32).astype(jnp.uint32)) & 1 == 1, values, -values),
