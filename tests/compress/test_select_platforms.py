@@ -91,3 +91,17 @@ def test_compressors_send_the_same_payload_on_both_paths(compressor, ties, monke
   cpu = _encodings(compressor, x)
   _on_accelerator(monkeypatch)
   jax.tree.map(np.testing.assert_array_equal, _encodings(compressor, x), cpu)
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs an accelerator backend")
+@pytest.mark.parametrize("compressor", [
+    topk(0.01), topk(0.01, chunk=65536), threshold(2.5, capacity=0.02),
+    threshold(1.0, capacity=0.02), adaptive_threshold(0.01, capacity=0.02)],
+    ids=lambda c: c.name)
+def test_the_accelerator_sends_the_cpu_payload(compressor):
+  # The compiled accelerator path itself (not its CPU compilation) against the CPU backend.
+  x = jax.random.normal(KEY, (1 << 22,))
+  cpu = jax.devices("cpu")[0]
+  with jax.default_device(cpu):
+    expected = _encodings(compressor, jax.device_put(x, cpu))
+  jax.tree.map(np.testing.assert_array_equal, _encodings(compressor, x), expected)
