@@ -33,6 +33,7 @@ References:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -57,10 +58,20 @@ TOP_K_SHARE = 20
 DIGIT_MAX_SIZE = 1 << 14
 # Bits resolved per pass of the digit search (see _digit_kth): 2^3 trial values per pass.
 DIGIT_BITS = 3
+# Bits resolved per pass of the accelerators' search (see _digits_kth): 16 trial values.
+ACCELERATOR_DIGIT_BITS = 4
 # Counters per row of the searches' counting passes (see _radix_kth, _digit_kth).
 LANES = 128
 # Deviations of the candidates' count between k, its expected value and the capacity.
 SIGMAS = 6
+
+
+def by_platform(cpu: Callable, accelerator: Callable, *args):
+  """``cpu(*args)`` on the CPU backend, ``accelerator(*args)`` on any other: XLA's CPU and GPU
+  backends want different formulations of the same result (tests compare the two on the
+  CPU by replacing this function). ``jax.lax.platform_dependent`` resolves the choice when
+  lowering, so only the running platform's function is compiled."""
+  return jax.lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
 def bit_words(mask: jax.Array) -> jax.Array:
@@ -100,6 +111,27 @@ def words_at_least(values: jax.Array, threshold: jax.Array) -> jax.Array:
   return jnp.sum(jnp.where(below, jnp.uint32(0), _BIT_VALUES), axis=2, dtype=jnp.uint32)
 
 
+def prefix_sum(values: jax.Array) -> jax.Array:
+  """Inclusive prefix sum of 1-D int32 ``values`` (shape kept).
+
+  On the CPU an ``associative_scan`` (XLA's CPU ``cumsum`` costs ~20 ns per element). On an
+  accelerator ``jnp.cumsum``, which JAX lowers there to XLA's own scan (a windowed reduction
+  that XLA's GPU backend rewrites into a few blocked passes); the ``associative_scan`` is
+  ``2 log2(n)`` dependent slice-and-add steps, each its own kernel (about 80 for 2^20
+  elements), which on a GPU cost a launch each whatever their size. Integer sums: the two
+  agree exactly.
+  """
+  return by_platform(_scan_sum, _cumsum, values)
+
+
+def _scan_sum(values: jax.Array) -> jax.Array:
+  return jax.lax.associative_scan(jnp.add, values)
+
+
+def _cumsum(values: jax.Array) -> jax.Array:
+  return jnp.cumsum(values, dtype=values.dtype)
+
+
 def compact(mask: jax.Array, count: int) -> jax.Array:
   """Positions of the first ``count`` ``True`` of a 1-D ``mask``, in increasing order.
 
@@ -127,10 +159,10 @@ def compact_words(words: jax.Array, size: int, count: int) -> jax.Array:
   """:func:`compact` of a mask of ``size`` elements already packed by :func:`bit_words`
   (uint32 of shape ``(ceil(size / 32),)``); slots beyond its ``True`` give ``size``."""
   counts = jax.lax.population_count(words).astype(jnp.int32)
-  ends = jax.lax.associative_scan(jnp.add, counts)
+  ends = prefix_sum(counts)
   # searchsorted(ends, r, side="right") for every slot r: words ending at or before r.
   marks = jnp.zeros(count, jnp.int32).at[ends].add(1, mode="drop")
-  word = jnp.minimum(jax.lax.associative_scan(jnp.add, marks), words.shape[0] - 1)
+  word = jnp.minimum(prefix_sum(marks), words.shape[0] - 1)
   ranks = jnp.arange(count, dtype=jnp.int32)
   bit = _select_bit(words[word], ranks - (ends[word] - counts[word]))
   return jnp.where(ranks < ends[-1], word * WORD + bit, size).astype(jnp.int32)
@@ -158,12 +190,30 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
   batches of rows (which XLA's CPU backend sorts rather than pass to its TopK kernel), are
   searched bit by bit (:func:`_radix_kth`).
 
+  On an accelerator every row is searched :data:`ACCELERATOR_DIGIT_BITS` bits per pass
+  instead (:func:`_digits_kth`): 8 counting passes unrolled, where the bit search is an XLA
+  while loop of 31 counting passes (a kernel launch or more each on a GPU), and XLA's GPU
+  TopK kernel covers only small ``k`` (larger ones become a sort). Both give the same value.
+
   Returns:
     int32 of shape ``()`` or ``(rows,)``.
   """
+  return by_platform(lambda b: _cpu_kth(b, k), lambda b: accelerator_kth(b, k), bits)
+
+
+def accelerator_kth(bits: jax.Array, k: int) -> jax.Array:
+  """:func:`kth_largest_bits` as an accelerator computes it (:func:`_digits_kth`); callable
+  on any backend, so that the CPU tests compare it with the CPU's."""
+  if bits.ndim == 1:
+    return _digits_kth(bits[None], k)[0]
+  return _digits_kth(bits, k)
+
+
+def _cpu_kth(bits: jax.Array, k: int) -> jax.Array:
+  """:func:`kth_largest_bits` on the CPU: ``jax.lax.top_k``, the digit or the bit search."""
   if bits.ndim == 2:
     if bits.shape[0] == 1:
-      return kth_largest_bits(bits[0], k)[None]
+      return _cpu_kth(bits[0], k)[None]
     return _radix_kth(bits, k)
   size = bits.shape[0]
   if k > TOP_K_MAX or k * TOP_K_SHARE > size:
@@ -220,13 +270,36 @@ def _radix_kth(bits: jax.Array, k: int) -> jax.Array:
   return jax.lax.fori_loop(0, 31, refine, jnp.zeros_like(bits[:, 0]))
 
 
+def _digits_kth(bits: jax.Array, k: int) -> jax.Array:
+  """:func:`kth_largest_bits` of each row of ``(rows, n)`` ``bits``,
+  ``ACCELERATOR_DIGIT_BITS`` bits per pass (8 passes for 31 bits), unrolled at trace time.
+
+  Each pass compares every entry with the ``2^b`` trial values of the next digit and counts
+  the entries reaching each; the counts are a reduction over ``n`` with the trial axis
+  minor, which XLA can emit as one column reduction that reads each entry once per pass and
+  does the ``2^b`` compares in registers. A row with fewer than ``k`` non-negative entries
+  gives 0, as the bit search does.
+  """
+  value = jnp.zeros_like(bits[:, 0])
+  low = 31
+  while low > 0:
+    width = min(ACCELERATOR_DIGIT_BITS, low)
+    low -= width
+    trials = value[:, None] + (np.arange(1 << width, dtype=np.int32) << low)
+    counts = jnp.sum(bits[:, :, None] >= trials[:, None, :], axis=1, dtype=jnp.int32)
+    # The counts fall as the digit grows; digit 0 is reached by >= k entries (or none is).
+    digit = jnp.maximum(jnp.sum(counts >= k, axis=1, dtype=jnp.int32) - 1, 0)
+    value = value + digit * (1 << low)
+  return value
+
+
 def _top_of_buffer(bits: jax.Array, k: int, kth: jax.Array) -> jax.Array:
   """Buffer positions of the ``k`` largest ``bits``, ties to the lower position, in order,
   given their ``k``-th largest ``kth`` (:func:`kth_largest_bits`)."""
   above = bits > kth
   ties = bits == kth
   needed = k - count_true(above[None])[0]
-  tie_rank = jax.lax.associative_scan(jnp.add, ties.astype(jnp.int32))
+  tie_rank = prefix_sum(ties.astype(jnp.int32))
   return compact(above | (ties & (tie_rank <= needed)), k)
 
 

@@ -38,16 +38,16 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    magnitude = jnp.abs(flat)
-    threshold = threshold_of(magnitude, key)
+    threshold = threshold_of(flat, key)
     slots = capacity_count(flat.shape[0], capacity)
     if slots == 0:
       empty = jnp.zeros((0,), jnp.float32)
       return ThresholdPayload(empty, empty.astype(jnp.int32), jnp.zeros((1,), jnp.int32)), state
     # The mask is packed into bit words once: their population counts give the count, and
     # the same words the compaction (a mask kept for both was a d-byte temporary and a
-    # second packing pass).
-    words = bit_words(magnitude >= threshold)
+    # second packing pass). The magnitudes are recomputed inside each pass, never kept: the
+    # conditional's operand |x| was a fresh d-element buffer, page-faulted on every call.
+    words = bit_words(jnp.abs(flat) >= threshold)
     passed = jnp.sum(jax.lax.population_count(words).astype(jnp.int32))
     # When they fit, the elements above the threshold are compacted in index order (linear
     # time); when more pass, the largest of them win the slots (exact linear-time top-k).
@@ -55,7 +55,7 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     # branch several times slower.
     fitting = compact_words(words, flat.shape[0], slots)
     indices = jax.lax.cond(passed <= slots, lambda: fitting,
-                           lambda: largest_k(jnp.where(magnitude >= threshold, flat, 0.0),
+                           lambda: largest_k(jnp.where(jnp.abs(flat) >= threshold, flat, 0.0),
                                              slots, by_magnitude=True))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
@@ -115,7 +115,7 @@ def threshold(value: float, *, capacity: float = 0.01) -> Compressor:
   """
   value = check_float("value", value)
   capacity = check_fraction("capacity", capacity)
-  return _threshold_compressor(lambda magnitude, key: jnp.float32(value), capacity,
+  return _threshold_compressor(lambda flat, key: jnp.float32(value), capacity,
                                f"threshold({value:g}, capacity={capacity:g})")
 
 
@@ -153,13 +153,13 @@ def adaptive_threshold(density: float, *, capacity: float | None = None,
   if capacity < density:
     raise ValueError(f"capacity must be >= density={density:g}, got capacity={capacity:g}.")
 
-  def threshold_of(magnitude: jax.Array, key: jax.Array) -> jax.Array:
-    size = magnitude.shape[0]
+  def threshold_of(flat: jax.Array, key: jax.Array) -> jax.Array:
+    size = flat.shape[0]
     if size == 0:  # nothing to sample: no element passes
       return jnp.array(jnp.inf, jnp.float32)
     drawn = max(1, math.ceil(sample * size))
     positions = hash_bits(key, (drawn,)) % jnp.uint32(size)
-    sampled = jax.lax.bitcast_convert_type(magnitude[positions], jnp.int32)
+    sampled = jax.lax.bitcast_convert_type(jnp.abs(flat[positions]), jnp.int32)
     rank = max(1, math.floor(density * drawn))
     return jax.lax.bitcast_convert_type(kth_largest_bits(sampled, rank), jnp.float32)
 
