@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, quantize, terngrad,
-                              threshold, topk, unpack_bits)
+from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
+                              terngrad, threshold, topk, unpack_bits)
 from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
@@ -279,20 +279,39 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
   np.testing.assert_array_equal(payload.codes, plain(x))
 
 
+row_l2_norms = jax.jit(chunks.row_l2_norms)
+
+
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)
 @given(size=st.integers(1, 5000), chunk=st.sampled_from([None, 1, 3, 64, 512, 4096]),
        seed=st.integers(0, 2**16))
 def test_l2_norms_in_steps_equal_the_row_reduction(size, chunk, seed):
-  """The looped per-chunk norms are the whole array's row norms, bit for bit (a small
-  ``NORM_STEP`` would change only the loop's length, so the default's remainder handling is
-  what short inputs test)."""
+  """The CPU's looped per-chunk norms are the accelerators' row reduction, bit for bit (a
+  small ``NORM_STEP`` would change only the loop's length, so the default's remainder
+  handling is what short inputs test)."""
   flat = jax.random.normal(jax.random.PRNGKey(seed), (size,)) * 3.0
-  expected = jnp.linalg.norm(chunks.to_chunks(flat, chunk), axis=1)
+  expected = row_l2_norms(chunks.to_chunks(flat, chunk))
   np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, chunk), expected)
 
 
 def test_l2_norms_over_several_steps_with_a_remainder():
   """2.5 steps' worth of 512-element chunks: the batched loop and its remainder."""
   flat = jax.random.normal(KEY, (5 * chunks.NORM_STEP // 2 + 700,))
-  expected = jnp.linalg.norm(chunks.to_chunks(flat, 512), axis=1)
+  expected = row_l2_norms(chunks.to_chunks(flat, 512))
   np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, 512), expected)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+def test_l2_norms_on_accelerators_is_one_reduction_without_a_loop(platform):
+  """Lowered for an accelerator, bucketed QSGD's encode and decode hold no loop (the CPU's
+  ``jax.lax.map`` over steps is a ``while``): one launch per reduction, whatever ``d``."""
+  compressor = qsgd(15, bucket=512)
+  flat = jax.ShapeDtypeStruct((4 * chunks.NORM_STEP + 700,), jnp.float32)
+  encode = jax.jit(lambda x: compressor.encode(x, (), KEY)[0])
+  payload = jax.eval_shape(encode, flat)
+  decode = jax.jit(lambda payload: compressor.decode(payload, flat.shape))
+  on_cpu = jax.export.export(encode, platforms=["cpu"])(flat).mlir_module()
+  assert "stablehlo.while" in on_cpu
+  for function, argument in ((encode, flat), (decode, payload)):
+    lowered = jax.export.export(function, platforms=[platform])(argument).mlir_module()
+    assert "stablehlo.while" not in lowered
