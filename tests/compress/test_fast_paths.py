@@ -279,6 +279,30 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
   np.testing.assert_array_equal(payload.codes, plain(x))
 
 
+@pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
+def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket):
+  """Encoded in rows of buckets (the norm broadcast along a row), QSGD's payload is that of
+  the per-element formula with one norm per element, bit for bit; the sizes leave a partial
+  last bucket."""
+  size, key = 5000, jax.random.PRNGKey(12)
+  x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
+  bits = math.ceil(math.log2(levels + 1)) + 1
+
+  @jax.jit
+  def plain(x):
+    norms = jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1)
+    norm = chunks.per_element(norms, size, bucket)
+    ratio = levels * jnp.abs(x) / jnp.where(norm > 0, norm, 1.0)
+    level = jnp.floor(ratio) + (hash_uniform(key, (size,)) < ratio - jnp.floor(ratio))
+    codes = jnp.clip(level, 0, levels).astype(jnp.uint8) | jnp.where(x < 0, 1 << (bits - 1), 0)
+    return pack_bits(codes, bits), norms
+
+  payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
+  codes, norms = plain(x)
+  np.testing.assert_array_equal(payload.codes, codes)
+  np.testing.assert_array_equal(payload.norm, norms)
+
+
 row_l2_norms = jax.jit(chunks.row_l2_norms)
 
 

@@ -78,14 +78,17 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
     norms = chunks.l2_norms(flat, bucket)
-    norm = chunks.per_element(norms, size, bucket)
-    ratio = levels * jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0)
+    # In rows of buckets each norm is broadcast along a row: XLA's CPU backend vectorizes
+    # that, but not a norm per element of the flat array, which it also wrote to memory
+    # (16M elements in buckets of 512: encode 66 -> 24 ms of CPU).
+    rows = chunks.to_chunks(flat, bucket)
+    ratio = levels * jnp.abs(rows) / jnp.where(norms > 0, norms, 1.0)[:, None]
     floor = jnp.floor(ratio)
     level = floor + bernoulli(key, ratio - floor)
     # Rounding in the ratio can reach s + epsilon for a one-hot input; clip so the code fits.
     level = jnp.clip(level, 0, levels).astype(jnp.uint8)
-    codes = level | jnp.where(flat < 0, jnp.uint8(sign_bit), jnp.uint8(0))
-    return QSGDPayload(pack_bits(_materialized(codes), bits), norms), state
+    codes = level | jnp.where(rows < 0, jnp.uint8(sign_bit), jnp.uint8(0))
+    return QSGDPayload(pack_bits(_materialized(codes.reshape(-1)[:size]), bits), norms), state
 
   def decode(payload: QSGDPayload, shape) -> jax.Array:
     size = num_elements(shape)
