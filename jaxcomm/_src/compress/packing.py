@@ -101,7 +101,14 @@ def _overlapping_codes(byte: int, bits: int) -> range:
 
 
 def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
-  """Inverse of :func:`pack_bits`: the first ``count`` codes, as uint8 of shape ``(count,)``."""
+  """Inverse of :func:`pack_bits`: the first ``count`` codes, as uint8 of shape ``(count,)``.
+
+  For widths that do not divide 8, each group of ``bits`` bytes (8 codes) is read as two
+  little-endian uint32 words, of its bytes 0-3 and 3-6, written to memory once; each code is
+  then one shift of the word that holds it, by amounts computed from the code's position
+  (an ``iota``). XLA's CPU backend vectorizes that; stacking the 8 codes of a group, each cut
+  from its bytes, it emitted scalar code (16M codes of 5 bits: 10.7 -> 3.2 ms of CPU).
+  """
   bits = check_int_range("bits", bits, 1, 8)
   if bits == 8:
     return packed[:count]
@@ -109,12 +116,31 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
     per_byte = 8 // bits
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     return ((packed[:, None] >> shifts) & jnp.uint8((1 << bits) - 1)).reshape(-1)[:count]
-  groups = jnp.pad(packed.astype(jnp.uint16), (0, (-packed.shape[0]) % bits)).reshape(-1, bits)
-  codes = []
-  for index in range(8):
-    byte, offset = divmod(bits * index, 8)
-    word = groups[:, byte]
-    if offset + bits > 8:
-      word = word | (groups[:, byte + 1] << 8)
-    codes.append((word >> offset) & ((1 << bits) - 1))
-  return jnp.stack(codes, axis=1).astype(jnp.uint8).reshape(-1)[:count]
+  groups = jnp.pad(packed, (0, (-packed.shape[0]) % bits)).reshape(-1, bits).astype(jnp.uint32)
+  low = materialized(_group_word(groups, 0))
+  # With 3 bits a group is 3 bytes, all in the low word.
+  high = materialized(_group_word(groups, 3)) if bits > 4 else low
+  starts = jax.lax.iota(jnp.uint32, 8) * jnp.uint32(bits)  # each code's first bit in its group
+  in_low = starts + bits <= 32
+  words = jnp.where(in_low, low[:, None], high[:, None])
+  codes = words >> jnp.where(in_low, starts, starts - 24)
+  return (codes & jnp.uint32((1 << bits) - 1)).astype(jnp.uint8).reshape(-1)[:count]
+
+
+def _group_word(groups: jax.Array, first: int) -> jax.Array:
+  """uint32 of shape ``(groups,)``: bytes ``first`` to ``first + 3`` (those there are) of each
+  row of ``groups`` (uint32 of shape ``(groups, bits)``), the first byte lowest."""
+  word = groups[:, first]
+  for byte in range(first + 1, min(first + 4, groups.shape[1])):
+    word = word | (groups[:, byte] << (8 * (byte - first)))
+  return word
+
+
+def materialized(values: jax.Array) -> jax.Array:
+  """``values`` (1-D), computed into memory once for their consumers. XLA's CPU backend fuses
+  an elementwise producer into each consumer, recomputing it for every element that reads
+  it (a code for every byte it overlaps, a group's word for each of its 8 codes), and the
+  fused loop is not vectorized; it does not fuse a reduction into its consumer, so the values
+  are OR-ed with zeros over a pair."""
+  pair = jnp.stack([values, jnp.zeros_like(values)], axis=1)
+  return jax.lax.reduce(pair, jnp.zeros((), values.dtype), jax.lax.bitwise_or, (1,))
