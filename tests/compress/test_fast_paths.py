@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
                               terngrad, threshold, topk, unpack_bits)
-from jaxcomm._src.compress import chunks
+from jaxcomm._src.compress import chunks, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
@@ -304,6 +304,19 @@ def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket):
 
 
 row_l2_norms = jax.jit(chunks.row_l2_norms)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_unpacking_through_words_equals_the_stacked_codes(bits):
+  """Above ``WORDS_MIN_COUNT`` codes, a multiple of 8, ``unpack_bits`` reads each group through
+  two uint32 words: the codes packed, and those of the stacking path, jitted."""
+  count = packing.WORDS_MIN_COUNT + 8
+  codes = np.random.default_rng(bits).integers(0, 1 << bits, count).astype(np.uint8)
+  packed = pack_bits(jnp.asarray(codes), bits)
+  unpacked = jax.jit(unpack_bits, static_argnums=(1, 2))(packed, bits, count)
+  np.testing.assert_array_equal(unpacked, codes)
+  stacked = jax.jit(packing._unpack_by_stacking, static_argnums=(1, 2))(packed, bits, count)
+  np.testing.assert_array_equal(unpacked, stacked)
 
 
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)

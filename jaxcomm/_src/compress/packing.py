@@ -100,6 +100,12 @@ def _overlapping_codes(byte: int, bits: int) -> range:
   return range(8 * byte // bits, min(8, -(-8 * (byte + 1) // bits)))
 
 
+# Fewest codes that :func:`unpack_bits` reads through words: below, the words' two extra
+# loops cost more than they save (6-bit QSGD decode, 32,768 codes: 97 -> 110 us of CPU; the
+# char LM's mesh_scan step, shards of 64-32,768 elements: +7% -> +13% over identity).
+WORDS_MIN_COUNT = 1 << 17
+
+
 def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
   """Inverse of :func:`pack_bits`: the first ``count`` codes, as uint8 of shape ``(count,)``.
 
@@ -107,8 +113,9 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
   little-endian uint32 words, of its bytes 0-3 and 3-6, written to memory once; each code is
   then one shift of the word that holds it, by amounts computed from the code's position
   (an ``iota``). XLA's CPU backend vectorizes that; stacking the 8 codes of a group, each cut
-  from its bytes, it emitted scalar code (16M codes of 5 bits: 10.7 -> 3.2 ms of CPU). A
-  ``count`` that is not a multiple of 8 keeps the stacking (:func:`_unpack_by_stacking`).
+  from its bytes, it emitted scalar code (16M codes of 5 bits: 10.7 -> 3.2 ms of CPU). Fewer
+  than ``WORDS_MIN_COUNT`` codes, or a ``count`` that is not a multiple of 8, keep the
+  stacking (:func:`_unpack_by_stacking`).
   """
   bits = check_int_range("bits", bits, 1, 8)
   if bits == 8:
@@ -117,7 +124,7 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
     per_byte = 8 // bits
     shifts = (jnp.arange(per_byte, dtype=jnp.uint8) * bits).astype(jnp.uint8)
     return ((packed[:, None] >> shifts) & jnp.uint8((1 << bits) - 1)).reshape(-1)[:count]
-  if count % 8:
+  if count % 8 or count < WORDS_MIN_COUNT:
     return _unpack_by_stacking(packed, bits, count)
   groups = jnp.pad(packed, (0, (-packed.shape[0]) % bits)).reshape(-1, bits).astype(jnp.uint32)
   low = materialized(_group_word(groups, 0))
@@ -131,10 +138,10 @@ def unpack_bits(packed: jax.Array, bits: int, count: int) -> jax.Array:
 
 
 def _unpack_by_stacking(packed: jax.Array, bits: int, count: int) -> jax.Array:
-  """:func:`unpack_bits` of widths 3, 5, 6, 7 for a ``count`` that is not a multiple of 8:
-  the 8 codes of each group cut from its bytes and stacked. Unvectorized, but the words'
-  path slows further there: the final slice of its ``(groups, 8)`` codes becomes an index
-  computation per code (16M + 3 codes of 5 bits: 31 ms of CPU, against 21 ms here)."""
+  """:func:`unpack_bits` of widths 3, 5, 6, 7 for short inputs and counts that are not a
+  multiple of 8: the 8 codes of each group cut from its bytes and stacked. Unvectorized, but
+  the words' path slows further for such a count: the final slice of its ``(groups, 8)``
+  codes becomes an index computation per code (16M + 3 codes of 5 bits: 31 against 21 ms)."""
   groups = jnp.pad(packed.astype(jnp.uint16), (0, (-packed.shape[0]) % bits)).reshape(-1, bits)
   codes = []
   for index in range(8):
