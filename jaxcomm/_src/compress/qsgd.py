@@ -69,21 +69,20 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
     norms = chunks.l2_norms(flat, bucket)
-    # In rows of buckets each norm is broadcast along a row: XLA's CPU backend vectorizes
-    # that, but not a norm per element of the flat array, which it also wrote to memory
-    # (16M elements in buckets of 512: encode 66 -> 24 ms of CPU).
-    rows = chunks.to_chunks(flat, bucket)
-    ratio = levels * jnp.abs(rows) / jnp.where(norms > 0, norms, 1.0)[:, None]
+    # Flat, the norm per element is a reshaped broadcast, which XLA keeps as a division; in
+    # rows of buckets (16M in buckets of 512: encode 66 -> 24 ms of CPU) it rewrites
+    # ``x / broadcast(norm)`` as ``x * broadcast(1 / norm)``, off by an ulp for about a third
+    # of the ratios, which flips a rounding about once in 16M elements.
+    norm = chunks.per_element(norms, size, bucket)
+    ratio = levels * jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0)
     floor = jnp.floor(ratio)
     level = floor + bernoulli(key, ratio - floor)
     # Rounding in the ratio can reach s + epsilon for a one-hot input; clip so the code fits.
     level = jnp.clip(level, 0, levels).astype(jnp.uint8)
-    codes = level | jnp.where(rows < 0, jnp.uint8(sign_bit), jnp.uint8(0))
+    codes = level | jnp.where(flat < 0, jnp.uint8(sign_bit), jnp.uint8(0))
     # Each code (a division and a hash) computed once, not once per byte it overlaps
-    # (1M elements, 6 bits: encode 2.3 -> 1.5 ms of CPU). The padding's codes are zeros, as
-    # the packing's own padding: packed too, then cut.
-    packed = pack_bits(materialized(codes.reshape(-1)), bits)
-    return QSGDPayload(packed[:packed_nbytes(size, bits)], norms), state
+    # (1M elements, 6 bits: encode 2.3 -> 1.5 ms of CPU).
+    return QSGDPayload(pack_bits(materialized(codes), bits), norms), state
 
   def decode(payload: QSGDPayload, shape) -> jax.Array:
     size = num_elements(shape)
