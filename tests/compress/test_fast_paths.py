@@ -281,9 +281,9 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
 @pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
 def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket):
-  """Encoded in rows of buckets (the norm broadcast along a row), QSGD's payload is that of
-  the per-element formula with one norm per element, bit for bit; the sizes leave a partial
-  last bucket."""
+  """QSGD's payload is that of the per-element formula written out, bit for bit (a division
+  by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
+  bucket."""
   size, key = 5000, jax.random.PRNGKey(12)
   x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
   bits = math.ceil(math.log2(levels + 1)) + 1
