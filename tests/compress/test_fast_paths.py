@@ -13,9 +13,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, quantize, terngrad,
-                              threshold, topk, unpack_bits)
-from jaxcomm._src.compress import chunks
+from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
+                              terngrad, threshold, topk, unpack_bits)
+from jaxcomm._src.compress import chunks, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
@@ -279,20 +279,76 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
   np.testing.assert_array_equal(payload.codes, plain(x))
 
 
+@pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
+def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket):
+  """QSGD's payload is that of the per-element formula written out, bit for bit (a division
+  by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
+  bucket."""
+  size, key = 5000, jax.random.PRNGKey(12)
+  x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
+  bits = math.ceil(math.log2(levels + 1)) + 1
+
+  @jax.jit
+  def plain(x):
+    norms = jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1)
+    norm = chunks.per_element(norms, size, bucket)
+    ratio = levels * jnp.abs(x) / jnp.where(norm > 0, norm, 1.0)
+    level = jnp.floor(ratio) + (hash_uniform(key, (size,)) < ratio - jnp.floor(ratio))
+    codes = jnp.clip(level, 0, levels).astype(jnp.uint8) | jnp.where(x < 0, 1 << (bits - 1), 0)
+    return pack_bits(codes, bits), norms
+
+  payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
+  codes, norms = plain(x)
+  np.testing.assert_array_equal(payload.codes, codes)
+  np.testing.assert_array_equal(payload.norm, norms)
+
+
+row_l2_norms = jax.jit(chunks.row_l2_norms)
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_unpacking_through_words_equals_the_stacked_codes(bits):
+  """Above ``WORDS_MIN_COUNT`` codes, a multiple of 8, ``unpack_bits`` reads each group through
+  two uint32 words: the codes packed, and those of the stacking path, jitted."""
+  count = packing.WORDS_MIN_COUNT + 8
+  codes = np.random.default_rng(bits).integers(0, 1 << bits, count).astype(np.uint8)
+  packed = pack_bits(jnp.asarray(codes), bits)
+  unpacked = jax.jit(unpack_bits, static_argnums=(1, 2))(packed, bits, count)
+  np.testing.assert_array_equal(unpacked, codes)
+  stacked = jax.jit(packing._unpack_by_stacking, static_argnums=(1, 2))(packed, bits, count)
+  np.testing.assert_array_equal(unpacked, stacked)
+
+
 @settings(max_examples=10, deadline=None, derandomize=True, database=None)
 @given(size=st.integers(1, 5000), chunk=st.sampled_from([None, 1, 3, 64, 512, 4096]),
        seed=st.integers(0, 2**16))
 def test_l2_norms_in_steps_equal_the_row_reduction(size, chunk, seed):
-  """The looped per-chunk norms are the whole array's row norms, bit for bit (a small
-  ``NORM_STEP`` would change only the loop's length, so the default's remainder handling is
-  what short inputs test)."""
+  """The CPU's looped per-chunk norms are the accelerators' row reduction, bit for bit (a
+  small ``NORM_STEP`` would change only the loop's length, so the default's remainder
+  handling is what short inputs test)."""
   flat = jax.random.normal(jax.random.PRNGKey(seed), (size,)) * 3.0
-  expected = jnp.linalg.norm(chunks.to_chunks(flat, chunk), axis=1)
+  expected = row_l2_norms(chunks.to_chunks(flat, chunk))
   np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, chunk), expected)
 
 
 def test_l2_norms_over_several_steps_with_a_remainder():
   """2.5 steps' worth of 512-element chunks: the batched loop and its remainder."""
   flat = jax.random.normal(KEY, (5 * chunks.NORM_STEP // 2 + 700,))
-  expected = jnp.linalg.norm(chunks.to_chunks(flat, 512), axis=1)
+  expected = row_l2_norms(chunks.to_chunks(flat, 512))
   np.testing.assert_array_equal(jax.jit(chunks.l2_norms, static_argnums=1)(flat, 512), expected)
+
+
+@pytest.mark.parametrize("platform", ["cuda", "rocm", "tpu"])
+def test_l2_norms_on_accelerators_is_one_reduction_without_a_loop(platform):
+  """Lowered for an accelerator, bucketed QSGD's encode and decode hold no loop (the CPU's
+  ``jax.lax.map`` over steps is a ``while``): one launch per reduction, whatever ``d``."""
+  compressor = qsgd(15, bucket=512)
+  flat = jax.ShapeDtypeStruct((4 * chunks.NORM_STEP + 700,), jnp.float32)
+  encode = jax.jit(lambda x: compressor.encode(x, (), KEY)[0])
+  payload = jax.eval_shape(encode, flat)
+  decode = jax.jit(lambda payload: compressor.decode(payload, flat.shape))
+  on_cpu = jax.export.export(encode, platforms=["cpu"])(flat).mlir_module()
+  assert "stablehlo.while" in on_cpu
+  for function, argument in ((encode, flat), (decode, payload)):
+    lowered = jax.export.export(function, platforms=[platform])(argument).mlir_module()
+    assert "stablehlo.while" not in lowered

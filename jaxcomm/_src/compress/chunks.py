@@ -39,23 +39,37 @@ def max_abs(flat: jax.Array, chunk: int | None) -> jax.Array:
   return jnp.abs(jnp.maximum(jnp.max(rows, axis=1), -jnp.min(rows, axis=1)))
 
 
-# Elements per step of :func:`l2_norms`' loop (whole chunks of about 2^18 elements, in cache).
+# Elements per step of :func:`l2_norms`' CPU loop (whole chunks of about 2^18 elements, in cache).
 NORM_STEP = 1 << 18
 
 
 def l2_norms(flat: jax.Array, chunk: int | None) -> jax.Array:
   """``||x||_2`` of each chunk of ``flat`` (shape ``(d,)``), float32 of shape ``(chunks,)``.
 
-  Several chunks are reduced in a loop over steps of about 2^18 elements
+  On the CPU, several chunks are reduced in a loop over steps of about 2^18 elements
   (``jax.lax.map``): as one row reduction of the whole ``(chunks, width)`` array, the sum of
   squares ran on XLA's CPU backend at about 0.4 GB/s (16M float32 elements in chunks of 512:
-  40 ms of CPU, against 5 ms in steps). Bit-identical to that row reduction (tested).
+  40 ms of CPU, against 5 ms in steps). Elsewhere the loop's ``d / 2^18`` sequential steps
+  are each a kernel launch (1,024 at 256M elements), so other backends take the row reduction
+  (:func:`row_l2_norms`); ``jax.lax.platform_dependent`` compiles only the backend's branch.
+  The two are bit-identical on the CPU (tested).
   """
   rows = to_chunks(flat, chunk)
   if rows.shape[0] == 1:
     return jnp.linalg.norm(rows, axis=1)
+  return jax.lax.platform_dependent(rows, cpu=_stepped_l2_norms, default=row_l2_norms)
+
+
+def row_l2_norms(rows: jax.Array) -> jax.Array:
+  """``||row||_2`` of each row of ``rows`` (shape ``(chunks, width)``) in one reduction: the
+  accelerators' :func:`l2_norms`."""
+  return jnp.linalg.norm(rows, axis=1)
+
+
+def _stepped_l2_norms(rows: jax.Array) -> jax.Array:
+  """:func:`row_l2_norms` in a loop over steps of ``NORM_STEP`` elements: the CPU's."""
   rows_per_step = max(1, NORM_STEP // rows.shape[1])
-  return jax.lax.map(lambda row: jnp.linalg.norm(row), rows, batch_size=rows_per_step)
+  return jax.lax.map(jnp.linalg.norm, rows, batch_size=rows_per_step)
 
 
 def chunk_sizes(size: int, chunk: int | None) -> jax.Array:
