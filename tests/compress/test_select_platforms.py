@@ -1,8 +1,8 @@
-"""The accelerators' formulations of the selection (``select.by_platform``'s ``accelerator``
+"""The accelerators' formulations of the selection (``backends.by_platform``'s ``accelerator``
 functions), run on the CPU: the same values, sets and order as the CPU's.
 
 ``jax.lax.platform_dependent`` compiles only the running platform's function, so the tests
-replace ``select.by_platform`` with one that always takes the accelerator's.
+replace ``backends.by_platform`` with one that always takes the accelerator's.
 """
 
 import jax
@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcomm.compress import adaptive_threshold, threshold, topk
-from jaxcomm._src.compress import select
+from jaxcomm._src.compress import backends, select
 from jaxcomm._src.compress.select import MIN_FAST_SIZE, accelerator_kth, kth_largest_bits
 
 KEY = jax.random.PRNGKey(5)
 
 
 def _on_accelerator(monkeypatch):
-  monkeypatch.setattr(select, "by_platform", lambda cpu, accelerator, *args: accelerator(*args))
+  monkeypatch.setattr(backends, "by_platform", lambda cpu, accelerator, *args: accelerator(*args))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)

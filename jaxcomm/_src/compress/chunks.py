@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jaxcomm._src.compress import backends
+
 
 def chunk_count(size: int, chunk: int | None) -> int:
   """Number of chunks: 1 for a whole tensor (``chunk=None``), else ``ceil(size / chunk)``."""
@@ -51,13 +53,13 @@ def l2_norms(flat: jax.Array, chunk: int | None) -> jax.Array:
   squares ran on XLA's CPU backend at about 0.4 GB/s (16M float32 elements in chunks of 512:
   40 ms of CPU, against 5 ms in steps). Elsewhere the loop's ``d / 2^18`` sequential steps
   are each a kernel launch (1,024 at 256M elements), so other backends take the row reduction
-  (:func:`row_l2_norms`); ``jax.lax.platform_dependent`` compiles only the backend's branch.
+  (:func:`row_l2_norms`, chosen by :func:`~jaxcomm._src.compress.backends.by_platform`).
   The two are bit-identical on the CPU (tested).
   """
   rows = to_chunks(flat, chunk)
   if rows.shape[0] == 1:
     return jnp.linalg.norm(rows, axis=1)
-  return jax.lax.platform_dependent(rows, cpu=_stepped_l2_norms, default=row_l2_norms)
+  return backends.by_platform(_stepped_l2_norms, row_l2_norms, rows)
 
 
 def row_l2_norms(rows: jax.Array) -> jax.Array:

@@ -33,12 +33,12 @@ References:
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcomm._src.compress import backends
 from jaxcomm._src.compress.hashing import hash_bits
 
 SAMPLE = 1 << 16
@@ -64,14 +64,6 @@ ACCELERATOR_DIGIT_BITS = 4
 LANES = 128
 # Deviations of the candidates' count between k, its expected value and the capacity.
 SIGMAS = 6
-
-
-def by_platform(cpu: Callable, accelerator: Callable, *args):
-  """``cpu(*args)`` on the CPU backend, ``accelerator(*args)`` on any other: XLA's CPU and GPU
-  backends want different formulations of the same result (tests compare the two on the
-  CPU by replacing this function). ``jax.lax.platform_dependent`` resolves the choice when
-  lowering, so only the running platform's function is compiled."""
-  return jax.lax.platform_dependent(*args, cpu=cpu, default=accelerator)
 
 
 def bit_words(mask: jax.Array) -> jax.Array:
@@ -121,7 +113,7 @@ def prefix_sum(values: jax.Array) -> jax.Array:
   elements), which on a GPU cost a launch each whatever their size. Integer sums: the two
   agree exactly.
   """
-  return by_platform(_scan_sum, _cumsum, values)
+  return backends.by_platform(_scan_sum, _cumsum, values)
 
 
 def _scan_sum(values: jax.Array) -> jax.Array:
@@ -198,7 +190,7 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
   Returns:
     int32 of shape ``()`` or ``(rows,)``.
   """
-  return by_platform(lambda b: _cpu_kth(b, k), lambda b: accelerator_kth(b, k), bits)
+  return backends.by_platform(lambda b: _cpu_kth(b, k), lambda b: accelerator_kth(b, k), bits)
 
 
 def accelerator_kth(bits: jax.Array, k: int) -> jax.Array:

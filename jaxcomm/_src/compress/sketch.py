@@ -8,6 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from jaxcomm._src.compress import backends
 from jaxcomm._src.compress.base import Compressor, num_elements
 from jaxcomm._src.validation import check_fraction, check_int_range
 from jaxcomm._src.compress.hashing import bits_at
@@ -388,17 +389,16 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
   def encode(x: jax.Array, state: CountSketchState, key: jax.Array):
     del key
     next_key, hash_key = jax.random.split(state.key)
-    table = jax.lax.platform_dependent(
-        x.reshape(-1).astype(jnp.float32), hash_key,
-        cpu=lambda flat, key: _table_in_steps(flat, key, width, depth),
-        default=lambda flat, key: _table_at_once(flat, key, width, depth))
+    table = backends.by_platform(lambda flat, key: _table_in_steps(flat, key, width, depth),
+                                 lambda flat, key: _table_at_once(flat, key, width, depth),
+                                 x.reshape(-1).astype(jnp.float32), hash_key)
     return CountSketchPayload(table, hash_key), CountSketchState(next_key)
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    estimates = jax.lax.platform_dependent(
-        payload.table, payload.key, cpu=lambda table, key: _estimates_in_steps(table, key, size),
-        default=lambda table, key: _estimates_at_once(table, key, size))
+    estimates = backends.by_platform(lambda table, key: _estimates_in_steps(table, key, size),
+                                     lambda table, key: _estimates_at_once(table, key, size),
+                                     payload.table, payload.key)
     if heavy is not None:
       kept = min(size, max(1, math.floor(heavy * size)))
       estimates = jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)),
