@@ -24,6 +24,7 @@ def test_rank_one_sum_is_the_product(shape, rank):
   expected = np.einsum("...ko,...kr->...or", np.asarray(rows, np.float64),
                        np.asarray(q, np.float64))
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5)
-  if shape in CHARLM_BLOCKS:
+  if shape in CHARLM_BLOCKS and jax.default_backend() == "cpu":
+    # The GEMM it replaces is XLA's CPU backend's (an H200's differed in the last bits).
     plain = jax.jit(lambda rows, q: jnp.einsum("...ko,...kr->...or", rows, q))(rows, q)
     np.testing.assert_array_equal(got, plain)

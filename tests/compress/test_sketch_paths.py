@@ -53,8 +53,9 @@ def test_accelerator_lowering_has_no_loop_and_cpu_lowering_loops():
 
 
 def test_accelerator_functions_compile_to_a_few_fused_ops_without_a_loop():
-  """Compiled (here for the CPU), the table is one reduction of one fused elementwise input
-  and the estimates one fused elementwise op: no loop, no per-block kernels."""
+  """Compiled, neither holds a loop; for the CPU, the table is one reduction of one fused
+  elementwise input and the estimates one fused elementwise op (no per-block kernels). An
+  H200's compiler made 7 fusions of the table, none a loop (session 15)."""
   size, width, depth = 1 << 22, 512, 5
   x = jax.ShapeDtypeStruct((size,), jnp.float32)
   key = jax.ShapeDtypeStruct((2,), jnp.uint32)
@@ -65,4 +66,5 @@ def test_accelerator_functions_compile_to_a_few_fused_ops_without_a_loop():
     compiled = jax.jit(function).trace(*arguments).lower().compile().as_text()
     entry = compiled[compiled.index("ENTRY"):]
     assert " while(" not in compiled
-    assert entry.count(" fusion(") <= most
+    if jax.default_backend() == "cpu":
+      assert entry.count(" fusion(") <= most

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxcomm._src.compress.base import Compressor, num_elements
 from jaxcomm._src.validation import check_bool, check_float, check_int_range
-from jaxcomm._src.compress.powersgd import from_matrix, matrix_shape, to_matrix
+from jaxcomm._src.compress.powersgd import PRECISION, from_matrix, matrix_shape, to_matrix
 from jaxcomm._src.keys import check_seed, raw_key
 
 
@@ -130,7 +130,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
     matrix = oriented(to_matrix(x.astype(jnp.float32)))
     next_key, draw_key = jax.random.split(state.key)
     basis = random_basis(draw_key, matrix.shape[1], rank)
-    return GradZipPayload(matrix @ basis, draw_key), GradZipState(next_key)
+    return GradZipPayload(jnp.matmul(matrix, basis, precision=PRECISION), draw_key), GradZipState(next_key)
 
   def decode(payload, shape) -> jax.Array:
     if not projected(shape):
@@ -138,7 +138,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
     m, n = matrix_shape(tuple(shape))
     basis = random_basis(payload.key, min(m, n), rank)
     gain = min(m, n) / rank if scale else 1.0
-    approx = gain * (payload.sketch @ basis.T)
+    approx = gain * jnp.matmul(payload.sketch, basis.T, precision=PRECISION)
     return from_matrix(approx if m >= n else approx.T, tuple(shape))
 
   def wire_bytes(shape, dtype) -> int:

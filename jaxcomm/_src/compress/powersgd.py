@@ -78,6 +78,11 @@ def as_rows(x: jax.Array) -> jax.Array:
 
 # Rows of ``M^T`` per block in :func:`project_rows`.
 PROJECT_BLOCK = 256
+# Every product here is float32 at full precision. On GPUs jax's default float32 product is
+# TF32 (an 11-bit significand, about 1e-3 relative error): on an H200 it broke the projection
+# tests at 1e-4 (session 15). The products are r wide and bound by reading M, so this costs
+# next to nothing; XLA's CPU backend computes float32 products in float32 either way.
+PRECISION = jax.lax.Precision.HIGHEST
 # Rows of ``M^T`` up to which :func:`project_rows` adds rank-1 terms instead of a GEMM.
 RANK_ONE_ROWS = 128
 
@@ -98,11 +103,11 @@ def project_rows(rows: jax.Array, q: jax.Array) -> jax.Array:
   if n <= RANK_ONE_ROWS:
     return rank_one_sum(rows, q)
   if n < 2 * PROJECT_BLOCK or n % PROJECT_BLOCK:
-    return jnp.einsum("...ko,...kr->...or", rows, q)
+    return jnp.einsum("...ko,...kr->...or", rows, q, precision=PRECISION)
   batch = rows.shape[:-2]
   blocks = (n // PROJECT_BLOCK, PROJECT_BLOCK)
   partial = jnp.einsum("...bkr,...bko->...bro", q.reshape(batch + blocks + q.shape[-1:]),
-                       rows.reshape(batch + blocks + (m,)))
+                       rows.reshape(batch + blocks + (m,)), precision=PRECISION)
   return jnp.swapaxes(jnp.sum(partial, axis=-3), -1, -2)
 
 
@@ -127,12 +132,12 @@ def rank_one_sum(rows: jax.Array, q: jax.Array) -> jax.Array:
 
 def back_project_rows(rows: jax.Array, p: jax.Array) -> jax.Array:
   """``Q = M^T P`` from ``rows = M^T``: shape ``(..., n, r)``."""
-  return jnp.einsum("...ko,...or->...kr", rows, p)
+  return jnp.einsum("...ko,...or->...kr", rows, p, precision=PRECISION)
 
 
 def approximation_rows(p: jax.Array, q: jax.Array) -> jax.Array:
   """``(P Q^T)^T = Q P^T``, the rank-r approximation in the ``rows`` layout: ``(..., n, m)``."""
-  return jnp.einsum("...kr,...or->...ko", q, p)
+  return jnp.einsum("...kr,...or->...ko", q, p, precision=PRECISION)
 
 
 def outer_sum_rows(p: jax.Array, q: jax.Array) -> jax.Array:
@@ -150,12 +155,12 @@ def outer_sum_rows(p: jax.Array, q: jax.Array) -> jax.Array:
 
 def project(matrix: jax.Array, q: jax.Array) -> jax.Array:
   """``P = M Q``: shape ``(m, r)``. Average it over devices (``psum / p``), then orthogonalize."""
-  return matrix @ q
+  return jnp.matmul(matrix, q, precision=PRECISION)
 
 
 def back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
   """``Q = M^T P``: shape ``(n, r)``, with ``P`` orthogonalized. Average it over devices next."""
-  return matrix.T @ p
+  return jnp.matmul(matrix.T, p, precision=PRECISION)
 
 
 def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
@@ -171,7 +176,8 @@ def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
   for index in range(p.shape[-1]):
     column = p[..., index]
     for previous in columns:
-      column = column - jnp.einsum("...m,...m->...", previous, column)[..., None] * previous
+      overlap = jnp.einsum("...m,...m->...", previous, column, precision=PRECISION)
+      column = column - overlap[..., None] * previous
     columns.append(column / (jnp.linalg.norm(column, axis=-1, keepdims=True) + epsilon))
   return jnp.stack(columns, axis=-1)
 
