@@ -79,7 +79,7 @@ def test_blocked_projection_equals_the_plain_product(blocks, extra, m, rank, bat
                        np.asarray(q, np.float64))
   got = np.asarray(jax.jit(project_rows)(rows, q))
   np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-3)
-  plain = np.asarray(jnp.einsum("...ko,...kr->...or", rows, q))
+  plain = np.asarray(jnp.einsum("...ko,...kr->...or", rows, q, precision="highest"))
   np.testing.assert_allclose(got, plain, rtol=1e-4, atol=1e-3)
 
 

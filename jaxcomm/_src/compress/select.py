@@ -182,10 +182,13 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
   batches of rows (which XLA's CPU backend sorts rather than pass to its TopK kernel), are
   searched bit by bit (:func:`_radix_kth`).
 
-  On an accelerator every row is searched :data:`ACCELERATOR_DIGIT_BITS` bits per pass
+  On an accelerator a single row is searched :data:`ACCELERATOR_DIGIT_BITS` bits per pass
   instead (:func:`_digits_kth`): 8 counting passes unrolled, where the bit search is an XLA
   while loop of 31 counting passes (a kernel launch or more each on a GPU), and XLA's GPU
-  TopK kernel covers only small ``k`` (larger ones become a sort). Both give the same value.
+  TopK kernel covers only small ``k`` (larger ones become a sort). A batch of rows keeps the
+  bit search, whose 31 passes are then long: on an H200, chunked top-k of 256M elements in
+  rows of 65,536 ran at 197 GB/s with the digits and 311 with the bits (session 15). All
+  give the same value.
 
   Returns:
     int32 of shape ``()`` or ``(rows,)``.
@@ -194,10 +197,13 @@ def kth_largest_bits(bits: jax.Array, k: int) -> jax.Array:
 
 
 def accelerator_kth(bits: jax.Array, k: int) -> jax.Array:
-  """:func:`kth_largest_bits` as an accelerator computes it (:func:`_digits_kth`); callable
-  on any backend, so that the CPU tests compare it with the CPU's."""
+  """:func:`kth_largest_bits` as an accelerator computes it (:func:`_digits_kth` for one row,
+  :func:`_radix_kth` for several); callable on any backend, so that the CPU tests compare it
+  with the CPU's."""
   if bits.ndim == 1:
     return _digits_kth(bits[None], k)[0]
+  if bits.shape[0] > 1:
+    return _radix_kth(bits, k)
   return _digits_kth(bits, k)
 
 
