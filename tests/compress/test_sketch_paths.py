@@ -17,8 +17,8 @@ from jaxcomm._src.compress.sketch import (_estimates_at_once, _estimates_in_step
 # partial last blocks, and inputs of one block or less.
 @pytest.mark.parametrize("size,width,depth,seed", [
     (20000, 512, 5, 0), ((1 << 20) + 3, 16384, 5, 1), (50304, 1006, 1, 2),
-    ((1 << 19) + 7, 4096, 2, 3), (1000, 64, 3, 4), (2501, 7, 1, 5), (1200, 100, 33, 6), (700, 50, 64, 7), (300, 512, 5, 8),
-    (1, 16, 3, 9)])
+    ((1 << 19) + 7, 4096, 2, 3), (1000, 64, 3, 4), (2501, 7, 1, 5), (1200, 100, 33, 6),
+    (700, 50, 64, 7), (300, 512, 5, 8), (1, 16, 3, 9)])
 def test_accelerator_path_equals_cpu_path(size, width, depth, seed):
   x = jnp.asarray(np.random.default_rng(seed).standard_normal(size).astype(np.float32))
   key = jax.random.fold_in(jax.random.PRNGKey(seed), size)

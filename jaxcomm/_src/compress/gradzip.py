@@ -20,7 +20,8 @@ import jax.numpy as jnp
 
 from jaxcomm._src.compress.base import Compressor, num_elements
 from jaxcomm._src.validation import check_bool, check_float, check_int_range
-from jaxcomm._src.compress.powersgd import PRECISION, from_matrix, matrix_shape, to_matrix
+from jaxcomm._src.compress.powersgd import (PRECISION, from_matrix, matrix_shape, project,
+                                            to_matrix)
 from jaxcomm._src.keys import check_seed, raw_key
 
 
@@ -130,7 +131,7 @@ def gradzip(rank: int = 4, *, min_compression_rate: float = 2.0, scale: bool = F
     matrix = oriented(to_matrix(x.astype(jnp.float32)))
     next_key, draw_key = jax.random.split(state.key)
     basis = random_basis(draw_key, matrix.shape[1], rank)
-    return GradZipPayload(jnp.matmul(matrix, basis, precision=PRECISION), draw_key), GradZipState(next_key)
+    return GradZipPayload(project(matrix, basis), draw_key), GradZipState(next_key)
 
   def decode(payload, shape) -> jax.Array:
     if not projected(shape):

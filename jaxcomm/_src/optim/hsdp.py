@@ -32,8 +32,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from jaxcomm._src.collectives.hierarchical import prescattered
 from jaxcomm._src.collectives.powersgd import PowerSGDLeafState
-from jaxcomm._src.compress.powersgd import (PRECISION, compression_rate, initial_q, matrix_shape,
-                                            orthogonalize)
+from jaxcomm._src.compress.powersgd import (PRECISION, back_project, compression_rate, initial_q,
+                                            matrix_shape, orthogonalize, project)
 from jaxcomm._src.keys import nth_key
 from jaxcomm._src.mesh_axes import manual_axes, vary, vary_tree
 from jaxcomm._src.nonfinite import any_nonfinite, keep_if
@@ -460,9 +460,9 @@ def powersgd_on_shards(leaves, states, shards: ShardedLeaves, *, slow_axis: str,
     corrected = (leaf.astype(jnp.float32) + (state.residual if feedback else 0.0))
     corrected = corrected.reshape(-1, m).T  # (m, c)
     with jax.named_scope(SHARD_AWARE_SCOPE):
-      p = jax.lax.psum(jax.lax.psum(jnp.matmul(corrected, state.q, precision=PRECISION), axis), slow_axis)
+      p = jax.lax.psum(jax.lax.psum(project(corrected, state.q), axis), slow_axis)
     p = orthogonalize(p, epsilon)
-    q = jax.lax.psum(jnp.matmul(corrected.T, p, precision=PRECISION), slow_axis)
+    q = jax.lax.psum(back_project(corrected, p), slow_axis)
     approx = jnp.matmul(p, q.T, precision=PRECISION)
     with jax.named_scope(SHARD_AWARE_SCOPE):
       alive = jax.lax.psum(jnp.sum(q * q, axis=0, keepdims=True), axis) > 0
