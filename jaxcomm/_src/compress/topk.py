@@ -10,6 +10,7 @@ import jax.numpy as jnp
 
 from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init
+from jaxcomm._src.compress.cast import narrow
 from jaxcomm._src.validation import (check_bool, check_dtype, check_fraction, check_int_range,
                                      renamed)
 from jaxcomm._src.compress.select import largest_k
@@ -151,7 +152,7 @@ def topk(density: float | None = None, *, k: int | None = None,
     del key
     flat = x.reshape(-1).astype(jnp.float32)
     indices = select_largest(flat, topk_count(x.shape, density, k), approximate)
-    return TopKPayload(flat[indices].astype(value_dtype), indices.astype(jnp.int32)), state
+    return TopKPayload(narrow(flat[indices], value_dtype), indices.astype(jnp.int32)), state
 
   def decode(payload: TopKPayload, shape) -> jax.Array:
     dense = jnp.zeros(num_elements(shape), jnp.float32)
@@ -191,7 +192,7 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
     rows = chunks.to_chunks(x.reshape(-1).astype(jnp.float32), width)
     indices = select_largest(rows, kept, approximate)
     values = jnp.take_along_axis(rows, indices, axis=1)
-    return ChunkedTopKPayload(values.astype(value_dtype), indices.astype(jnp.uint16)), state
+    return ChunkedTopKPayload(narrow(values, value_dtype), indices.astype(jnp.uint16)), state
 
   def flat_indices(payload: ChunkedTopKPayload, count: int, width: int) -> jax.Array:
     # Padding positions of the last chunk may be selected (as zeros); they fall past `size`.
