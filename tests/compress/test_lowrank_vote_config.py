@@ -41,12 +41,17 @@ def _gram_schmidt(p, epsilon=1e-8):
                   batch=st.integers(1, 3))
 def test_orthogonalize_is_gram_schmidt_up_to_rounding(m, rank, seed, batch):
   """Batched columns against Gram-Schmidt's in float64 (well-conditioned: a random matrix with
-  at least as many rows as columns), and each matrix of a batch as alone."""
+  at least as many rows as columns), and each matrix of a batch as alone. With fewer rows than
+  columns, the columns past the ``m``-th are rounding noise scaled to norm at most 1, which a
+  batched and a single product need not round alike (on GPUs they do not): only the first ``m``
+  are compared there."""
   p = jax.random.normal(jax.random.PRNGKey(seed), (batch, m, rank))
   q = np.asarray(orthogonalize(p))
   assert q.shape == (batch, m, rank)
+  independent = min(m, rank)
   for index in range(batch):
-    np.testing.assert_allclose(q[index], np.asarray(orthogonalize(p[index])), atol=1e-6)
+    alone = np.asarray(orthogonalize(p[index]))
+    np.testing.assert_allclose(q[index][:, :independent], alone[:, :independent], atol=1e-6)
     if m >= rank:
       np.testing.assert_allclose(q[index], _gram_schmidt(np.asarray(p[index])), atol=2e-4)
       np.testing.assert_allclose(q[index].T @ q[index], np.eye(rank), atol=1e-5)
