@@ -76,7 +76,7 @@ def narrow(x: jax.Array, dtype: Any) -> jax.Array:
   """``x.astype(dtype)`` for float32 ``x``; on accelerators, rounded first by :func:`round_to`.
 
   XLA's CPU backend keeps a float32 -> ``dtype`` -> float32 round trip (the error-feedback
-  tests check it on every narrow dtype), and the explicit rounding would cost it up to 40% of
+  tests check it on every narrow dtype), and the explicit rounding would cost it up to 55% of
   a cast's time, so the CPU converts directly.
   """
   return backends.by_platform(lambda v: v.astype(dtype), lambda v: round_to(v, dtype).astype(dtype), x)
