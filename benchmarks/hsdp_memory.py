@@ -9,8 +9,9 @@ reports per device:
   state (residuals, and EF21's mean estimates where the compressor's feedback is
   ``'estimate'``) (bytes one device stores);
 * the compiled step's ``memory_analysis()``: argument bytes (the state and the batch),
-  output bytes (the new state: the step does not donate its arguments), temp bytes (XLA's
-  scratch: gathered parameters, activations, gradients), and
+  output bytes (the new state), temp bytes (XLA's scratch: gathered parameters,
+  activations, gradients), alias bytes (outputs written into donated arguments: 0 unless
+  ``--donate``, ``data_parallel(..., donate=True)``), and
   ``peak = argument + output + temp - alias``, what the step needs live at once.
 
 and the bytes each device sends per step and axis, read from the compiled HLO by
@@ -93,18 +94,17 @@ def compile_step(mesh, model: str, layers: int, width: int, batch_size: int, sha
                  reshard: bool = False, donate: bool = False):
   """``(params, state, compiled)``: ``model``'s sign+EF + AdamW step on ``mesh``, compiled
   for a batch of ``batch_size``; ``compiled(state, batch)`` returns ``(state, loss)``. With
-  ``donate`` the state's buffers are donated to the new state, as a training loop that
-  keeps only the new state does (``memory_analysis()`` then counts them as aliased)."""
-  import jax
+  ``donate`` the state's buffers are donated to the new state
+  (``jaxcomm.data_parallel(..., donate=True)``; ``memory_analysis()`` then counts them as
+  aliased)."""
   import optax
   import jaxcomm
   params, loss_fn, batch = MODELS[model](layers, width, batch_size)
   tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign()), optax.adamw(1e-3))
   trainer = jaxcomm.data_parallel(loss_fn, tx, mesh, shard_over=shard_over,
-                                  reshard_after_forward=reshard)
+                                  reshard_after_forward=reshard, donate=donate)
   state = trainer.init(params)
-  step = jax.jit(trainer.step, donate_argnums=0) if donate else trainer.step
-  return params, state, step.lower(state, batch).compile()
+  return params, state, trainer.step.lower(state, batch).compile()
 
 
 def peak_bytes(compiled) -> int:
@@ -143,11 +143,11 @@ def train_within(compiled, state, batches, budget_bytes: int) -> list[float]:
 
 
 def _measure(mesh, model: str, layers: int, width: int, batch_size: int, shard_over,
-             reshard: bool = False):
+             reshard: bool = False, donate: bool = False):
   import jax
   import jaxcomm
   params, state, compiled = compile_step(mesh, model, layers, width, batch_size, shard_over,
-                                         reshard)
+                                         reshard, donate)
   stats = compiled.memory_analysis()
   sent = jaxcomm.accounting.report_from_hlo(compiled.as_text(), mesh).bytes_per_axes()
   group = mesh.shape["local"]
@@ -220,6 +220,8 @@ def main() -> None:
   parser.add_argument("--batch", type=int, default=64, help="global batch size")
   parser.add_argument("--reshard", action="store_true",
                       help="also measure shard_over='local' with reshard_after_forward=True")
+  parser.add_argument("--donate", action="store_true",
+                      help="the steps donate their state (data_parallel(..., donate=True))")
   parser.add_argument("--groups", default="",
                       help="comma-separated fast-axis sizes G to measure (default: all)")
   parser.add_argument("--device-budget-mib", type=float, default=None,
@@ -241,10 +243,11 @@ def main() -> None:
     print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}")
     _budget(args, int(args.groups or 4))
     return
-  print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}; KiB per device")
+  donated = ", state donated" if args.donate else ""
+  print(f"{shape}, fp32, sign+EF + AdamW, global batch {args.batch}{donated}; KiB per device")
   print("| H x G | mode | params | AdamW moments | EF state | state | argument | output "
-        "| temp | peak |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "| temp | alias | peak |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   rows = []
   groups = [g for g in (1, 2, 4, 8, 16) if args.devices % g == 0 and g <= args.devices]
   if args.groups:
@@ -255,13 +258,15 @@ def main() -> None:
   for group in groups:
     mesh = jaxcomm.make_mesh(hosts=args.devices // group, local=group)
     for mode, shard_over, reshard in modes:
-      m = _measure(mesh, args.model, args.layers, args.width, args.batch, shard_over, reshard)
+      m = _measure(mesh, args.model, args.layers, args.width, args.batch, shard_over, reshard,
+                   args.donate)
       state = m["params"] + m["moments"] + m["residuals"]
       peak = m["argument"] + m["output"] + m["temp"] - m["alias"]
       kib = lambda b: f"{b / 1024:.1f}"
       print(f"| {args.devices // group} x {group} | {mode} | {kib(m['params'])} | "
             f"{kib(m['moments'])} | {kib(m['residuals'])} | {kib(state)} | "
-            f"{kib(m['argument'])} | {kib(m['output'])} | {kib(m['temp'])} | {kib(peak)} |",
+            f"{kib(m['argument'])} | {kib(m['output'])} | {kib(m['temp'])} | "
+            f"{kib(m['alias'])} | {kib(peak)} |",
             flush=True)
       rows.append((f"{args.devices // group} x {group}", mode, m))
   print("\nBytes each device sends per step (KiB), from the compiled HLO")

@@ -9,8 +9,10 @@ methods are also compiled from another checkout of the repository (e.g. ``git ar
 older commit) and stepped in the same rounds, so a change is measured before and after in one
 process; each tree's overhead is taken against its own ``identity``. Besides the median wall
 time it prints the 25th percentile's overhead and the process CPU time per step (all threads,
-so the 8 simulated devices' work), which a loaded machine disturbs less. Run
-``python -m benchmarks.step_overhead --help`` for the flags.
+so the 8 simulated devices' work), which a loaded machine disturbs less. ``--donate`` also
+steps every method with its state donated (``jax.jit(step, donate_argnums=(0, 1))``, what
+``jaxcomm.data_parallel(..., donate=True)`` does), labelled ``donated:``, against the donated
+``identity``. Run ``python -m benchmarks.step_overhead --help`` for the flags.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   parser.add_argument("--warmup", type=int, default=5, help="untimed rounds first")
   parser.add_argument("--tree", action="append", default=[], metavar="LABEL=PATH",
                       help="also time the methods as built from the checkout at PATH")
+  parser.add_argument("--donate", action="store_true",
+                      help="also time every method with its state donated ('donated:')")
   args = parser.parse_args(argv)
   args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
   if "identity" not in args.methods:
@@ -62,9 +66,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
   return args
 
 
-def compile_steps(args, mesh) -> dict:
-  """``{method: [compiled step, params, opt_state]}`` and the task's batch function."""
+def compile_steps(args, mesh, donate: bool = False) -> dict:
+  """``{method: [compiled step, params, opt_state]}`` and the task's batch function; with
+  ``donate`` each step donates its parameters and optimizer state."""
   import jax
+  import jax.numpy as jnp
   from jax.sharding import NamedSharding, PartitionSpec
 
   import jaxcomm
@@ -82,11 +88,15 @@ def compile_steps(args, mesh) -> dict:
     if method.device_local:
       raise SystemExit(f"{name} is device-local (periodic): compare it with mesh_scan")
     tx = method.build(setting)
-    params = jax.device_put(task.params, NamedSharding(mesh, PartitionSpec()))
+    # A copy per method: a donating step deletes its parameters.
+    params = jax.device_put(jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), task.params),
+                            NamedSharding(mesh, PartitionSpec()))
     try:
       opt_state, specs = jaxcomm.optim.sharded_init(tx, params, mesh)
-      step = method.make_step(task.loss_fn, tx, mesh, specs).lower(
-          params, opt_state, batch_at(0)).compile()
+      step = method.make_step(task.loss_fn, tx, mesh, specs)
+      if donate:
+        step = jax.jit(step, donate_argnums=(0, 1))
+      step = step.lower(params, opt_state, batch_at(0)).compile()
     except Exception as error:  # reported and left out; the other methods still run
       print(f"{name}: failed to build: {type(error).__name__}: {str(error).splitlines()[0]}")
       continue
@@ -115,6 +125,9 @@ def main(argv: Sequence[str] | None = None) -> int:
   runs, batch_at = compile_steps(args, mesh)
   if "identity" not in runs:
     return 1
+  if args.donate:
+    runs.update({f"donated:{name}": run
+                 for name, run in compile_steps(args, mesh, donate=True)[0].items()})
   for label, path in args.tree:
     runs.update({f"{label}:{name}": run
                  for name, run in compile_from_tree(args, mesh, path).items()})

@@ -1,5 +1,8 @@
 """``jaxcomm.data_parallel``: the library-owned step equals the raw shard_map step, bounds the
-steps in flight, trains pytrees and nnx modules, and names bad arguments."""
+steps in flight, donates its state on request, trains pytrees and nnx modules, and names bad
+arguments."""
+
+import re
 
 import chex
 import jax
@@ -67,6 +70,36 @@ def test_a_tight_loop_never_has_more_than_one_earlier_step_in_flight():
   assert loss.is_ready() and float(loss) < 0.1 * float(losses[0])
 
 
+@pytest.mark.parametrize("replicated", [False, True], ids=["on_one_device", "replicated"])
+@pytest.mark.parametrize("shard_over", [None, "local"])
+def test_a_donating_step_equals_the_plain_one_and_deletes_only_the_state_it_was_given(
+    shard_over, replicated):
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  params, loss_fn, batch = _problem()
+  noisy_loss = lambda p, b, k: loss_fn(p, b) + 1e-3 * jax.random.normal(k)
+  key = jax.random.key(3)
+  if replicated:  # already placed as the step places them: init must not hand them over
+    params, key = jax.device_put((params, key), jax.sharding.NamedSharding(mesh, P()))
+  runs = {}
+  for donate in (False, True):
+    trainer = jaxcomm.data_parallel(noisy_loss, _tx(), mesh, key=key, shard_over=shard_over,
+                                    donate=donate)
+    state = trainer.init(params)
+    header = trainer.step.lower(state, batch).compile().as_text().splitlines()[0]
+    aliased = len(re.findall(r"\{\d+\}: \(\d+, \{\}, may-alias\)", header))
+    losses = []
+    for _ in range(3):
+      given = state
+      state, loss = trainer.step(state, batch)
+      losses.append(float(loss))
+      assert all(leaf.is_deleted() == donate for leaf in jax.tree.leaves(given))
+    runs[donate] = (state, losses, aliased)
+  chex.assert_trees_all_equal(runs[True][:2], runs[False][:2])
+  assert not any(leaf.is_deleted() for leaf in jax.tree.leaves((params, key)))
+  # Every buffer of the state is reused for the new state (the loss is the one new output).
+  assert (runs[False][2], runs[True][2]) == (0, len(jax.tree.leaves(state)))
+
+
 class _MLP(nnx.Module):
   def __init__(self, rngs):
     self.hidden = nnx.Linear(16, 8, rngs=rngs)
@@ -117,6 +150,7 @@ def test_each_device_and_step_gets_its_own_key(key):
     (dict(max_in_flight=0), ValueError, "max_in_flight must be None or an int >= 1, got 0"),
     (dict(key=1.5), TypeError, "key must be None, an int seed"),
     (dict(key=jnp.zeros(3, jnp.uint32)), TypeError, "key must be None, an int seed"),
+    (dict(donate=1), TypeError, "donate must be a bool, got 1"),
 ])
 def test_bad_arguments_are_named_at_construction(kwargs, error, match):
   params, loss_fn, _ = _problem()

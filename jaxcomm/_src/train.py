@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from jaxcomm._src.validation import check_float_tree
+from jaxcomm._src.validation import check_bool, check_float_tree
 from jaxcomm._src.distributed import StepWatchdog
 from jaxcomm._src.optim import hsdp
 from jaxcomm._src.optim.regather import regathered
@@ -117,10 +117,15 @@ def split_params(model):
   return _split_module(model)
 
 
-def _placed(tx, params, graphdef, specs, mesh: Mesh, shard_over: str | None):
+def _placed(tx, params, graphdef, specs, mesh: Mesh, shard_over: str | None, copy: bool):
   """``(params, opt_state, layout)`` on ``mesh``: replicated (``layout`` ``None``), or
   sharded over ``shard_over`` as ``specs`` or the module's ``nnx.with_partitioning``
-  annotations say (:func:`jaxcomm.optim.hsdp.init_sharded`)."""
+  annotations say (:func:`jaxcomm.optim.hsdp.init_sharded`).
+  With ``copy``, the placed parameters share no buffer with ``params`` (a donating step must
+  not delete the caller's arrays; ``device_put`` keeps the source's buffer as one device's
+  shard even with ``may_alias=False``)."""
+  if copy:
+    params = jax.tree.map(lambda leaf: jnp.array(leaf, copy=True), params)
   if shard_over is None:
     if specs is not None:
       raise ValueError("init(..., specs=) places parameter shards: it needs "
@@ -198,7 +203,8 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
                   max_in_flight: int | None = None,
                   watchdog: StepWatchdog | None = None,
                   shard_over: str | None = None,
-                  reshard_after_forward: bool = False) -> Trainer:
+                  reshard_after_forward: bool = False,
+                  donate: bool = False) -> Trainer:
   """Data-parallel training where the library owns the step.
 
   Parameters are replicated on every device of ``mesh`` (or sharded: ``shard_over``); each
@@ -247,6 +253,11 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       all-gather, ``(G-1)/G * 4 G ceil(d/G)`` bytes per step, of every leaf whose value the
       backward pass reads (weights, norm scales; not biases), and one more per further
       operation that reads a leaf (a tied embedding); docs/hsdp.md section 7.
+    donate: the step donates the state it is given (``jax.jit``'s ``donate_argnums``): the
+      new parameters, optimizer state and residuals are written into the old ones' buffers,
+      so a step holds one copy of the state instead of two (docs/architecture.md, "Donating
+      the state"). The state passed to ``step`` is deleted by it: keep only the returned
+      one, as ``state, loss = trainer.step(state, batch)`` does. Same values as ``False``.
 
   Returns:
     A :class:`Trainer` ``(init, step, model)``.
@@ -268,6 +279,7 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
   if reshard_after_forward and shard_over is None:
     raise ValueError("reshard_after_forward=True needs shard_over= (only sharded parameters "
                      "are gathered); got shard_over=None.")
+  donate = check_bool("donate", donate)
   if max_in_flight is None and mesh.devices.flat[0].platform == "cpu":
     max_in_flight = 1
   axes = tuple(mesh.axis_names)
@@ -312,14 +324,17 @@ def data_parallel(loss_fn: Callable, tx: optax.GradientTransformation, mesh: Mes
       return TrainState(params, opt_state, next_key), loss
 
     return jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(specs, batch_spec),
-                                 out_specs=(specs, PartitionSpec())))
+                                 out_specs=(specs, PartitionSpec())),
+                   donate_argnums=(0,) if donate else ())
 
   def init(model, specs=None) -> TrainState:
     graphdef, params = _split_module(model)
     check_float_tree(params, "params")
-    params, opt_state, layout = _placed(tx, params, graphdef, specs, mesh, shard_over)
+    params, opt_state, layout = _placed(tx, params, graphdef, specs, mesh, shard_over, donate)
     module["graphdef"], module["layout"] = graphdef, layout
-    return TrainState(params, opt_state, None if key is None else jax.device_put(key, replicated))
+    placed_key = None if key is None else jax.device_put(
+        jnp.array(key, copy=True) if donate else key, replicated)
+    return TrainState(params, opt_state, placed_key)
 
   def model(state: TrainState):
     if shard_over is None:
