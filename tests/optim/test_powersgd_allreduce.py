@@ -11,6 +11,8 @@ from jax.sharding import PartitionSpec as P
 
 import jaxcomm
 import fast_random
+from jaxcomm._src.collectives.powersgd import psum_together
+
 
 AXES = ("host", "local")
 
@@ -166,6 +168,39 @@ def test_dense_warm_up_then_factors_and_bytes_on_the_slow_link():
   # parts and of Q's squared column norms (which also tell a non-finite step), the dense bias
   assert report.bytes_per_axes()[("local",)] == pytest.approx(
       3 / 4 * 4 * 64 * 48 * 2 + 2 * 3 / 4 * 4 * (48 * 2 + 2 + 48))
+
+
+def test_psum_together_equals_one_psum_per_array_bit_for_bit():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  arrays = [fast_random.normal(jax.random.PRNGKey(i), (8,) + shape)
+            for i, shape in enumerate([(3, 16, 4), (5,), (2, 7)])]
+  specs = tuple(P(AXES) for _ in arrays)
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=specs, out_specs=(specs, specs))
+  def run(*xs):
+    xs = [x[0] for x in xs]
+    together = psum_together(xs, "host")
+    alone = [jax.lax.psum(x, "host") for x in xs]
+    return tuple(t[None] for t in together), tuple(a[None] for a in alone)
+
+  together, alone = run(*arrays)
+  for t, a in zip(together, alone):
+    assert t.shape == a.shape
+    np.testing.assert_array_equal(np.asarray(t), np.asarray(a))
+
+
+def test_factors_cross_the_slow_axis_in_one_all_reduce_per_round():
+  """All leaves' P (with the dense leaves' sums) in one slow-axis all-reduce, all Q in one."""
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  grads = {"embed": fast_random.normal(jax.random.PRNGKey(4), (8, 64, 16)),
+           "kernel": fast_random.normal(jax.random.PRNGKey(5), (8, 128, 48)),
+           "head": fast_random.normal(jax.random.PRNGKey(6), (8, 48, 48)),
+           "b": jnp.ones((8, 48))}
+  tx = jaxcomm.powersgd_allreduce(rank=4)
+  run, state = _stepper(mesh, tx, jax.tree.map(lambda g: g[0], grads), steps=1)
+  report = jaxcomm.accounting.measure(run, grads, state, mesh=mesh)
+  assert [op.kind for op in report.collectives if op.axes == ("host",)] == ["all-reduce"] * 2
 
 
 def test_non_finite_gradients_leave_the_state_finite():

@@ -14,8 +14,9 @@ and factorized leaf:
   (``c x r``), ``2 (H-1)/H * 4 r (m + c)``.
 
 Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
-the same shape are stacked so each shape costs one collective per round, and all ``P`` of one
-``(m, r)`` shape are orthogonalized in one batch.
+the same shape are stacked, every leaf's ``P`` (with the dense leaves' sums) crosses the slow
+axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), and all
+``P`` of one ``(m, r)`` shape are orthogonalized in one batch.
 """
 
 from __future__ import annotations
@@ -102,25 +103,42 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   outputs: list = [None] * len(blocks)
   new_states: list = list(states)
   groups: dict[tuple, list[int]] = {}
+  dense = []
   for index, (block, state) in enumerate(zip(blocks, states)):
     if isinstance(state, PowerSGDLeafState):
       groups.setdefault((block.shape, state.q.shape), []).append(index)
     else:
-      outputs[index] = jax.lax.psum(block.astype(jnp.float32), slow_axis)
+      dense.append(index)
   corrected = [jnp.stack([blocks[i].astype(jnp.float32) + (states[i].residual if feedback else 0.0)
                           for i in indices]) for indices in groups.values()]
   warm = [jnp.stack([states[i].q for i in indices]) for indices in groups.values()]
-  ps = [jax.lax.psum(jax.lax.psum(project_rows(rows, q), fast_axis), slow_axis)
-        for rows, q in zip(corrected, warm)]
-  for indices, rows, q, p in zip(groups.values(), corrected, warm,
-                                 orthogonalize_batched(ps, epsilon)):
-    approx, group_states = _factor_group(rows, q, p, [states[i] for i in indices],
+  sums = psum_together([jax.lax.psum(project_rows(rows, q), fast_axis)
+                        for rows, q in zip(corrected, warm)]
+                       + [blocks[i].astype(jnp.float32) for i in dense], slow_axis)
+  for i, total in zip(dense, sums[len(groups):]):
+    outputs[i] = total
+  ps = orthogonalize_batched(sums[:len(groups)], epsilon)
+  qs = psum_together([back_project_rows(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
+  for indices, rows, q, p, summed in zip(groups.values(), corrected, warm, ps, qs):
+    approx, group_states = _factor_group(rows, q, p, summed, [states[i] for i in indices],
                                          fast_axis=fast_axis, slow_axis=slow_axis,
                                          feedback=feedback)
     for slot, i in enumerate(indices):
       outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
       new_states[i] = group_states[slot]
   return outputs, new_states
+
+
+def psum_together(arrays: Sequence[jax.Array], axis: str) -> list[jax.Array]:
+  """``[psum(x, axis) for x in arrays]`` (float32) as one all-reduce of their concatenation,
+  so every array crosses ``axis`` in one rendezvous whatever XLA's all-reduce combiner makes
+  of separate ones (it paired the embedding's ``Q`` with the other leaves' ``P``, a second
+  slow-axis round in series). Each entry is the same sum of the same terms: equal bit for bit."""
+  if not arrays:
+    return []
+  total = jax.lax.psum(jnp.concatenate([x.reshape(-1) for x in arrays]), axis)
+  ends = np.cumsum([x.size for x in arrays])
+  return [total[end - x.size:end].reshape(x.shape) for x, end in zip(arrays, ends)]
 
 
 def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[jax.Array]:
@@ -141,12 +159,12 @@ def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[
   return results
 
 
-def _factor_group(corrected, warm, p, states, *, fast_axis: str, slow_axis: str,
+def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: str,
                   feedback: bool):
   """:func:`powersgd_reduce` for the stacked row blocks ``corrected`` (``(k, c, m)``, residual
-  added) of same-shaped leaves, their warm starts ``(k, c, r)`` and orthogonalized ``P``
-  (``(k, m, r)``): the rows of the approximation ``(k, c, m)`` and the new states."""
-  q = jax.lax.psum(back_project_rows(corrected, p), slow_axis)
+  added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P``
+  (``(k, m, r)``) and ``Q = psum_slow(A_g P)`` (``(k, c, r)``): the rows of the approximation
+  ``(k, c, m)`` and the new states."""
   approx = approximation_rows(p, q)
   # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
   # whether the step was bad, with no pass over the approximation: a NaN or Inf in any

@@ -59,8 +59,21 @@ def sign(chunk: int | None = None) -> Compressor:
 
   def decode(payload: SignPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    signs = unpack_bits(payload.bits, 1, size).astype(jnp.float32) * 2.0 - 1.0
-    return (signs * chunks.per_element(payload.scales, size, chunk)).reshape(shape)
+    scales = chunks.per_element(payload.scales, size, chunk)
+    return jnp.where(unpack_bits(payload.bits, 1, size) != 0, scales, -scales).reshape(shape)
+
+  def decode_sum(payloads: SignPayload, shape) -> jax.Array:
+    # sum_stacked of the decoded rows, its first level of pairwise adds taken from a table: a
+    # pair of rows sums to one of four values, chosen by the pair's two bits (the same
+    # additions, bit for bit). Decoding each row as floats and adding them, XLA's CPU backend
+    # ran the fused loop three times slower (two hosts, 32,768 elements: 80 -> 26 us).
+    size = num_elements(shape)
+    rows = [(unpack_bits(bits, 1, size) != 0, chunks.per_element(scales, size, chunk))
+            for bits, scales in zip(payloads.bits, payloads.scales)]
+    sums = [_pair_sum(*rows[i], *rows[i + 1]) for i in range(0, len(rows) - 1, 2)]
+    if len(rows) % 2:
+      sums.append(jnp.where(rows[-1][0], rows[-1][1], -rows[-1][1]))
+    return sum_stacked(jnp.stack(sums)).reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
     del dtype
@@ -69,7 +82,15 @@ def sign(chunk: int | None = None) -> Compressor:
 
   suffix = "" if chunk is None else f"chunk={chunk}"
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
-                    linear=False, unbiased=False, name=f"sign({suffix})")
+                    linear=False, unbiased=False, name=f"sign({suffix})", decode_sum=decode_sum)
+
+
+def _pair_sum(first: jax.Array, first_scale: jax.Array, second: jax.Array,
+              second_scale: jax.Array) -> jax.Array:
+  """``where(first, s1, -s1) + where(second, s2, -s2)`` as a choice among the four sums."""
+  return jnp.where(first, jnp.where(second, first_scale + second_scale,
+                                    first_scale + -second_scale),
+                   jnp.where(second, -first_scale + second_scale, -first_scale + -second_scale))
 
 
 class VotePayload(NamedTuple):
