@@ -128,6 +128,16 @@ def test_largest_k_is_exactly_top_k(kind):
     np.testing.assert_array_equal(fast_largest_k(rows, 300), _exact_top(rows, 300))
 
 
+def test_largest_k_of_rows_falls_back_row_by_row_to_top_k():
+  """A constant row sends the whole batch to the exact branch (on the CPU, ``lax.top_k`` of
+  one row's magnitudes at a time); each row's set is still ``lax.top_k``'s."""
+  normal = jax.random.normal(KEY, (2, MIN_FAST_SIZE))
+  rows = jnp.concatenate([normal, jnp.full((1, MIN_FAST_SIZE), -1.0)])
+  got = jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+      rows, 300, by_magnitude=True)
+  np.testing.assert_array_equal(got, _exact_top(jnp.abs(rows), 300))
+
+
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(rows=st.integers(2, 3), extra=st.integers(0, 3000), density=st.floats(0.001, 0.03),
        ties=st.booleans(), seed=st.integers(0, 2**16))
