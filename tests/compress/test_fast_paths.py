@@ -21,8 +21,9 @@ from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
 from jaxcomm._src.compress.qsgd import CODE_STEP
 from jaxcomm._src.compress.randomk import random_indices
-from jaxcomm._src.compress.select import (MIN_FAST_SIZE, TOP_K_MAX, compact, kth_largest_bits,
-                                          largest_k, sample_plan, sample_positions)
+from jaxcomm._src.compress.select import (EXACT_PIECE, MIN_FAST_SIZE, TOP_K_MAX, compact,
+                                          kth_largest_bits, largest_k, sample_plan,
+                                          sample_positions)
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)
@@ -127,6 +128,22 @@ def test_largest_k_is_exactly_top_k(kind):
   if kind == "normal":
     rows = jnp.abs(jax.random.normal(KEY, (2, MIN_FAST_SIZE)))  # one threshold per row
     np.testing.assert_array_equal(fast_largest_k(rows, 300), _exact_top(rows, 300))
+
+
+@pytest.mark.parametrize("by_magnitude", [False, True])
+def test_largest_k_of_a_long_row_falls_back_in_pieces_to_top_k(by_magnitude):
+  """A long row whose ``k``-th largest is 0 (the sample's threshold is not a normal float)
+  takes the exact branch, on the CPU in pieces of ``EXACT_PIECE``: 1,000 nonzero values with
+  ties in three pieces and a partial one, and 4,000 of the zeros, the lowest positions."""
+  size = 3 * EXACT_PIECE + 12345
+  rng = np.random.default_rng(3)
+  x = np.zeros(size, np.float32)
+  x[rng.choice(size, 1000, replace=False)] = rng.integers(1, 4, 1000) * rng.choice([-1, 1], 1000)
+  if not by_magnitude:
+    x = np.abs(x)
+  got = jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+      jnp.asarray(x), 5000, by_magnitude=by_magnitude)
+  np.testing.assert_array_equal(got, _exact_top(jnp.abs(jnp.asarray(x)), 5000))
 
 
 def test_largest_k_of_rows_falls_back_row_by_row_to_top_k():
