@@ -342,7 +342,8 @@ def _fallback(values: jax.Array, k: int, by_magnitude: bool) -> jax.Array:
   allocates every call's temporaries as one block, which that size put above glibc's mmap
   threshold, so the fast path's own small temporaries were page-faulted afresh on every call
   (chunked top-k at 16M: 65 -> 14 MiB of temporaries, encode + decode 43.8 -> 36.6 ms of
-  CPU). Accelerators keep the batched call."""
+  CPU; ``topk(0.01)``, one row: 64 -> 18 MiB, 26.5 -> 21.0 ms). Accelerators keep the
+  batched call."""
   magnitude = jnp.abs if by_magnitude else (lambda rows: rows)
 
   def on_cpu(rows):
