@@ -315,9 +315,11 @@ def _heavy_in_steps(table: jax.Array, key: jax.Array, size: int, kept: int) -> j
   depth, width = table.shape
   total, steps, per_step, unrolled = _blocks(size, width, depth)
   sample = min(select.SAMPLE, size // 16)
-  rank, slots = select.sample_plan(size, kept, sample)
-  if size < select.MIN_FAST_SIZE or slots > size // 4 or (per_step * width) % 32:
+  # largest_k's exact path (a short input, or too many kept), or steps of partial words.
+  if (size < select.MIN_FAST_SIZE or select.sample_plan(size, kept, sample)[1] > size // 4
+      or (per_step * width) % 32):
     return _heavy_hitters(_estimates_in_steps(table, key, size), kept)
+  rank, slots = select.sample_plan(size, kept, sample)
   magnitude_bits = lambda values: jax.lax.bitcast_convert_type(jnp.abs(values), jnp.int32)
   threshold = select.kth_largest_bits(magnitude_bits(_estimates_at(
       table, key, jnp.asarray(select.sample_positions(size, sample)), total)), rank)
