@@ -15,13 +15,15 @@ from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
                               terngrad, threshold, topk, unpack_bits)
-from jaxcomm._src.compress import chunks, packing
+from jaxcomm._src.compress import backends, chunks, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
+from jaxcomm._src.compress.qsgd import CODE_STEP
 from jaxcomm._src.compress.randomk import random_indices
-from jaxcomm._src.compress.select import (MIN_FAST_SIZE, TOP_K_MAX, compact, kth_largest_bits,
-                                          largest_k, sample_plan, sample_positions)
+from jaxcomm._src.compress.select import (EXACT_PIECE, MIN_FAST_SIZE, TOP_K_MAX, compact,
+                                          kth_largest_bits, largest_k, sample_plan,
+                                          sample_positions)
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)
@@ -126,6 +128,32 @@ def test_largest_k_is_exactly_top_k(kind):
   if kind == "normal":
     rows = jnp.abs(jax.random.normal(KEY, (2, MIN_FAST_SIZE)))  # one threshold per row
     np.testing.assert_array_equal(fast_largest_k(rows, 300), _exact_top(rows, 300))
+
+
+@pytest.mark.parametrize("by_magnitude", [False, True])
+def test_largest_k_of_a_long_row_falls_back_in_pieces_to_top_k(by_magnitude):
+  """A long row whose ``k``-th largest is 0 (the sample's threshold is not a normal float)
+  takes the exact branch, on the CPU in pieces of ``EXACT_PIECE``: 1,000 nonzero values with
+  ties in three pieces and a partial one, and 4,000 of the zeros, the lowest positions."""
+  size = 3 * EXACT_PIECE + 12345
+  rng = np.random.default_rng(3)
+  x = np.zeros(size, np.float32)
+  x[rng.choice(size, 1000, replace=False)] = rng.integers(1, 4, 1000) * rng.choice([-1, 1], 1000)
+  if not by_magnitude:
+    x = np.abs(x)
+  got = jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+      jnp.asarray(x), 5000, by_magnitude=by_magnitude)
+  np.testing.assert_array_equal(got, _exact_top(jnp.abs(jnp.asarray(x)), 5000))
+
+
+def test_largest_k_of_rows_falls_back_row_by_row_to_top_k():
+  """A constant row sends the whole batch to the exact branch (on the CPU, ``lax.top_k`` of
+  one row's magnitudes at a time); each row's set is still ``lax.top_k``'s."""
+  normal = jax.random.normal(KEY, (2, MIN_FAST_SIZE))
+  rows = jnp.concatenate([normal, jnp.full((1, MIN_FAST_SIZE), -1.0)])
+  got = jax.jit(largest_k, static_argnums=1, static_argnames="by_magnitude")(
+      rows, 300, by_magnitude=True)
+  np.testing.assert_array_equal(got, _exact_top(jnp.abs(rows), 300))
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
@@ -280,27 +308,35 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
 
 @pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
-def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket):
+@pytest.mark.parametrize("size", [5000, 3 * CODE_STEP + 1003])
+def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeypatch):
   """QSGD's payload is that of the per-element formula written out, bit for bit (a division
   by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
-  bucket."""
-  size, key = 5000, jax.random.PRNGKey(12)
+  bucket, and the larger one, with buckets, takes the CPU's loop over steps (three and a
+  partial one) and, forced, the accelerators' single pass."""
+  key = jax.random.PRNGKey(12)
   x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
   bits = math.ceil(math.log2(levels + 1)) + 1
 
   @jax.jit
-  def plain(x):
-    norms = jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1)
+  def plain(x, norms):
     norm = chunks.per_element(norms, size, bucket)
     ratio = levels * jnp.abs(x) / jnp.where(norm > 0, norm, 1.0)
     level = jnp.floor(ratio) + (hash_uniform(key, (size,)) < ratio - jnp.floor(ratio))
     codes = jnp.clip(level, 0, levels).astype(jnp.uint8) | jnp.where(x < 0, 1 << (bits - 1), 0)
-    return pack_bits(codes, bits), norms
+    return pack_bits(codes, bits)
 
-  payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
-  codes, norms = plain(x)
-  np.testing.assert_array_equal(payload.codes, codes)
-  np.testing.assert_array_equal(payload.norm, norms)
+  norms = jax.jit(lambda x: jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1))(x)
+  for path in ("cpu", "accelerator"):
+    if path == "accelerator":
+      monkeypatch.setattr(backends, "by_platform",
+                          lambda cpu, accelerator, *args: accelerator(*args))
+    payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
+    np.testing.assert_array_equal(payload.codes, plain(x, payload.norm))
+    # Over several of chunks.l2_norms' steps (code this test does not cover), the rows of its
+    # last partial step can differ from the row reduction jitted alone by an ulp (bucket 7:
+    # 13 of 112,491); the codes follow the norms sent, checked above.
+    np.testing.assert_allclose(payload.norm, norms, rtol=2e-7 if size > 5000 else 0)
 
 
 row_l2_norms = jax.jit(chunks.row_l2_norms)

@@ -9,7 +9,8 @@ import pytest
 
 from jaxcomm.compress import count_sketch
 from jaxcomm._src.compress.sketch import (_estimates_at_once, _estimates_in_steps,
-                                          _table_at_once, _table_in_steps)
+                                          _heavy_hitters, _heavy_in_steps, _table_at_once,
+                                          _table_in_steps)
 
 
 # Unrolled steps (512x5, 16384x5), one unrolled step (1006x1), vmapped slices over several
@@ -68,3 +69,29 @@ def test_accelerator_functions_compile_to_a_few_fused_ops_without_a_loop():
     assert " while(" not in compiled
     if jax.default_backend() == "cpu":
       assert entry.count(" fusion(") <= most
+
+
+# Whole steps only (1M in blocks of 16,384, 5 rows: 8 steps), whole steps and a partial one
+# (1M + 3; 300,000 in blocks of 512; 2 rows of 4,096 over steps of 64 blocks), one step
+# (40,000 in blocks of 100), a partial step alone (blocks of 65,536), 7 rows; normal values,
+# values with many ties, and zeros (whose threshold is not a normal float: the exact branch).
+@pytest.mark.parametrize("size,width,depth,heavy", [
+    (1 << 20, 16384, 5, 0.01), ((1 << 20) + 3, 16384, 5, 0.01), (300000, 512, 5, 0.02),
+    ((1 << 19) + 7, 4096, 2, 0.01), (40000, 100, 3, 0.05), (40000, 65536, 3, 0.01),
+    (1 << 18, 1024, 7, 0.001)])
+@pytest.mark.parametrize("values", ["normal", "ties", "zeros"])
+def test_cpu_heavy_hitters_equal_the_estimates_selected_by_largest_k(size, width, depth, heavy,
+                                                                     values):
+  """The CPU's heavy-hitter decode (the estimates written in one loop with the candidates'
+  bit words, the sample and the candidates recomputed from the table) keeps the same
+  estimates, bit for bit, as the estimates selected by ``largest_k`` and masked."""
+  x = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+  x = {"normal": x, "ties": np.round(2 * x), "zeros": 0 * x}[values]
+  compressor = count_sketch(width, depth, heavy=heavy, seed=depth)
+  payload, _ = jax.jit(lambda x, state: compressor.encode(x, state, None))(
+      jnp.asarray(x), compressor.init((size,), jnp.float32))
+  kept = max(1, int(np.floor(heavy * size)))
+  decoded = jax.jit(lambda table, key: (_heavy_in_steps(table, key, size, kept), _heavy_hitters(
+      _estimates_in_steps(table, key, size), kept)))(payload.table, payload.key)
+  np.testing.assert_array_equal(*decoded)
+  assert np.count_nonzero(decoded[0]) == (0 if values == "zeros" else kept)

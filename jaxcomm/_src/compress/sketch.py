@@ -13,6 +13,7 @@ from jaxcomm._src.compress.base import Compressor, num_elements
 from jaxcomm._src.validation import check_fraction, check_int_range
 from jaxcomm._src.compress.hashing import bits_at
 from jaxcomm._src.keys import check_seed, raw_key
+from jaxcomm._src.compress import select
 from jaxcomm._src.compress.select import largest_k
 
 
@@ -279,18 +280,124 @@ def _estimates_at_once(table: jax.Array, key: jax.Array, size: int) -> jax.Array
   return median_of_rows(rows).reshape(-1)[:size]
 
 
+def _estimates_at(table: jax.Array, key: jax.Array, positions: jax.Array,
+                  total_blocks: int) -> jax.Array:
+  """The estimates of the elements at ``positions`` (int32, any shape, in ``[0, total_blocks
+  width)``) from ``table``: the same hashes, buckets, signs and median as the loops over
+  steps, element by element (gathers from the small table), so the same values bit for bit."""
+  depth, width = table.shape
+  shifts = _shifts(key, 0, total_blocks, total_blocks, width, depth)
+  block, position = positions // width, positions % width
+  element = positions.astype(jnp.uint32)
+  words = [bits_at(key, element + jnp.uint32(word * total_blocks * width))
+           for word in range(-(-depth // 32))]
+  return median_of_rows([
+      _signed(words[row // 32], row,
+              table[row].at[(position + shifts[row][block]) % width].get(mode="promise_in_bounds"))
+      for row in range(depth)])
+
+
+def _heavy_in_steps(table: jax.Array, key: jax.Array, size: int, kept: int) -> jax.Array:
+  """The decode with heavy hitters on the CPU: the estimates of :func:`_estimates_in_steps`
+  with all but the ``kept`` largest magnitudes (ties to the lower position) set to 0.
+
+  The selection is :func:`~jaxcomm._src.compress.select.largest_k`'s, arranged so that XLA's
+  CPU backend writes the estimates into the decode's output and masks them there in place:
+  the sample's values are recomputed from the table (:func:`_estimates_at`) before the loop
+  that writes the estimates, which also packs the candidates' bit words, and the exact
+  fallback recomputes the estimates in its branch. The loop updates
+  one flat buffer (``fori_loop``): a ``lax.map``'s stacked output, reshaped to 1-D, was not
+  masked in place, and the estimates were a fresh 64 MiB temporary at 16M, page-faulted on
+  every call (decode 78 -> 55 ms of CPU at 16M, 16,384 x 5). Read by the fallback branch
+  instead of recomputed there, they cost 25 ms more; the candidates' gather from them does
+  not stop the masking in place, and is 4 ms faster than recomputing the candidates.
+  """
+  depth, width = table.shape
+  total, steps, per_step, unrolled = _blocks(size, width, depth)
+  sample = min(select.SAMPLE, size // 16)
+  # largest_k's exact path (a short input, or too many kept), or steps of partial words.
+  if (size < select.MIN_FAST_SIZE or select.sample_plan(size, kept, sample)[1] > size // 4
+      or (per_step * width) % 32):
+    return _heavy_hitters(_estimates_in_steps(table, key, size), kept)
+  rank, slots = select.sample_plan(size, kept, sample)
+  magnitude_bits = lambda values: jax.lax.bitcast_convert_type(jnp.abs(values), jnp.int32)
+  threshold = select.kth_largest_bits(magnitude_bits(_estimates_at(
+      table, key, jnp.asarray(select.sample_positions(size, sample)), total)), rank)
+  threshold = jax.lax.bitcast_convert_type(threshold, jnp.float32)
+
+  step_size = per_step * width
+  all_shifts = _step_shifts(key, steps, per_step, total, width, depth)
+
+  def estimate_step(step, valid=None):
+    signs = _signs(key, step * per_step, per_step, total, width, depth)
+    estimates = _step_estimates(table, SketchHashes(signs, all_shifts[step]), unrolled)
+    magnitudes = jnp.abs(estimates).reshape(1, -1)
+    if valid is not None:  # the padding's estimates are never candidates
+      magnitudes = jnp.where(jax.lax.iota(jnp.int32, step_size) < valid, magnitudes, 0.0)
+    return estimates.reshape(-1), select.words_at_least(magnitudes, threshold[None])[0]
+
+  def add_step(step, carry):
+    step_estimates, step_words = estimate_step(step)
+    return (jax.lax.dynamic_update_slice(carry[0], step_estimates, (step * step_size,)),
+            jax.lax.dynamic_update_slice(carry[1], step_words, (step * (step_size // 32),)))
+
+  full = size // step_size
+  estimates, words = (jnp.zeros_like(table, shape=(size,)),
+                      jnp.zeros_like(table, jnp.uint32, shape=(steps * step_size // 32,)))
+  if full:
+    estimates, words = jax.lax.fori_loop(0, full, add_step, (estimates, words))
+  if full < steps:
+    tail, tail_words = estimate_step(full, size - full * step_size)
+    estimates = estimates.at[full * step_size:].set(tail[:size - full * step_size])
+    words = words.at[full * step_size // 32:].set(tail_words)
+  count = jnp.sum(jax.lax.population_count(words).astype(jnp.int32))
+  where = select.compact_words(words, size, slots)
+  buffer = jnp.where(where < size, magnitude_bits(estimates[jnp.minimum(where, size - 1)]), -1)
+  kth = select.kth_largest_bits(buffer, kept)
+  ties = buffer == kth
+  needed = kept - jnp.sum(buffer > kth, dtype=jnp.int32)
+  last_tie = jnp.max(jnp.where(ties & (select.prefix_sum(ties.astype(jnp.int32)) <= needed),
+                               where, -1))
+
+  def exact():
+    values = _estimates_in_steps(table, key, size)
+    return _bound(values, jax.lax.top_k(jnp.abs(values), kept)[1])
+
+  ok = (count >= kept) & (count <= slots) & (threshold >= jnp.finfo(jnp.float32).tiny)
+  kth, last_tie = jax.lax.cond(
+      ok, lambda: (jax.lax.bitcast_convert_type(kth, jnp.float32), last_tie), exact)
+  return jnp.where(_within(estimates, kth, last_tie), estimates, 0.0)
+
+
+def _bound(values: jax.Array, indices: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``(t, last)`` of the ``k`` largest ``|values|`` at ``indices`` (ties to the lower
+  position): their smallest magnitude ``t``, and the last position picked at ``t``."""
+  picked = jnp.abs(values[indices])
+  kth = jnp.min(picked)
+  return kth, jnp.max(jnp.where(picked == kth, indices, -1))
+
+
+def _within(values: jax.Array, kth: jax.Array, last_tie: jax.Array) -> jax.Array:
+  """The mask of the elements above ``kth`` in magnitude, and of those at ``kth`` up to
+  position ``last_tie``: one pass over ``values``."""
+  magnitude = jnp.abs(values)
+  position = jax.lax.iota(jnp.int32, values.shape[0])
+  return (magnitude > kth) | ((magnitude == kth) & (position <= last_tie))
+
+
 def _kept(values: jax.Array, indices: jax.Array) -> jax.Array:
   """A mask of ``indices``, the positions of the ``k`` largest ``|values|`` (1-D, ties to the
   lower position, as :func:`~jaxcomm._src.compress.select.largest_k` picks them): those above
   the ``k``-th largest magnitude ``t``, and those at ``t`` up to the last one picked. One pass
   over ``values``, where a scatter into zeros writes ``k`` random positions of a fresh array.
   """
-  picked = jnp.abs(values[indices])
-  kth = jnp.min(picked)
-  last_tie = jnp.max(jnp.where(picked == kth, indices, -1))
-  magnitude = jnp.abs(values)
-  position = jax.lax.iota(jnp.int32, values.shape[0])
-  return (magnitude > kth) | ((magnitude == kth) & (position <= last_tie))
+  return _within(values, *_bound(values, indices))
+
+
+def _heavy_hitters(estimates: jax.Array, kept: int) -> jax.Array:
+  """``estimates`` (1-D) with all but the ``kept`` largest magnitudes set to 0."""
+  return jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)), estimates,
+                   0.0)
 
 
 # Deepest sketch whose median is taken by a sorting network; deeper ones sort.
@@ -396,13 +503,16 @@ def count_sketch(width: int, depth: int = 5, *, heavy: float | None = None,
 
   def decode(payload: CountSketchPayload, shape) -> jax.Array:
     size = num_elements(shape)
-    estimates = backends.by_platform(lambda table, key: _estimates_in_steps(table, key, size),
-                                     lambda table, key: _estimates_at_once(table, key, size),
-                                     payload.table, payload.key)
-    if heavy is not None:
+    if heavy is None:
+      estimates = backends.by_platform(lambda table, key: _estimates_in_steps(table, key, size),
+                                       lambda table, key: _estimates_at_once(table, key, size),
+                                       payload.table, payload.key)
+    else:
       kept = min(size, max(1, math.floor(heavy * size)))
-      estimates = jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)),
-                            estimates, 0.0)
+      estimates = backends.by_platform(
+          lambda table, key: _heavy_in_steps(table, key, size, kept),
+          lambda table, key: _heavy_hitters(_estimates_at_once(table, key, size), kept),
+          payload.table, payload.key)
     return estimates.reshape(shape)
 
   def wire_bytes(shape, dtype) -> int:
