@@ -379,6 +379,25 @@ def _exact_in_pieces(row: jax.Array, k: int, magnitude) -> jax.Array:
   return jnp.sort(where[jax.lax.top_k(values, k)[1]]).astype(jnp.int32)
 
 
+def fast_plan(size: int, k: int) -> tuple[int, int, int] | None:
+  """``(sample, rank, capacity)`` of :func:`largest_k`'s fast path for rows of ``size``
+  (:func:`sample_plan`), or ``None`` where it takes the exact branch: a row shorter than
+  ``MIN_FAST_SIZE``, or a capacity above a quarter of the row."""
+  sample = min(SAMPLE, size // 16)
+  if size < MIN_FAST_SIZE:
+    return None
+  rank, slots = sample_plan(size, k, sample)
+  return None if slots > size // 4 else (sample, rank, slots)
+
+
+def fast_path_holds(counts: jax.Array, k: int, slots: int, threshold: jax.Array) -> jax.Array:
+  """Whether the fast path's result is exact: every row has between ``k`` and ``slots``
+  candidates at or above its float32 ``threshold``, which is normal (for a subnormal or zero
+  threshold the float compare and the bits' order could disagree)."""
+  normal = threshold >= np.finfo(np.float32).tiny
+  return jnp.all((counts >= k) & (counts <= slots) & normal)
+
+
 def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.Array:
   """Positions of the ``k`` largest entries of each row, in increasing order.
 
@@ -400,12 +419,10 @@ def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.A
     return largest_k(values[None], k, by_magnitude=by_magnitude)[0]
   magnitude = (lambda: jnp.abs(values)) if by_magnitude else (lambda: values)
   size = values.shape[1]
-  sample = min(SAMPLE, size // 16)
-  if size < MIN_FAST_SIZE:
+  plan = fast_plan(size, k)
+  if plan is None:
     return _exact(magnitude(), k)
-  rank, slots = sample_plan(size, k, sample)
-  if slots > size // 4:
-    return _exact(magnitude(), k)
+  sample, rank, slots = plan
   positions = sample_positions(size, sample)
   bits = jax.lax.bitcast_convert_type(magnitude(), jnp.int32)
   threshold = jax.lax.bitcast_convert_type(kth_largest_bits(bits[:, positions], rank),
@@ -427,6 +444,5 @@ def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.A
   where, buffer = jax.vmap(candidates)(bits, words)
   kth = kth_largest_bits(buffer, k)
   fast = jax.vmap(lambda w, b, t: w[_top_of_buffer(b, k, t)])(where, buffer, kth)
-  normal = threshold >= np.finfo(np.float32).tiny
-  ok = jnp.all((counts >= k) & (counts <= slots) & normal)
-  return jax.lax.cond(ok, lambda: fast, lambda: _fallback(values, k, by_magnitude))
+  return jax.lax.cond(fast_path_holds(counts, k, slots, threshold), lambda: fast,
+                      lambda: _fallback(values, k, by_magnitude))

@@ -314,12 +314,11 @@ def _heavy_in_steps(table: jax.Array, key: jax.Array, size: int, kept: int) -> j
   """
   depth, width = table.shape
   total, steps, per_step, unrolled = _blocks(size, width, depth)
-  sample = min(select.SAMPLE, size // 16)
+  plan = select.fast_plan(size, kept)
   # largest_k's exact path (a short input, or too many kept), or steps of partial words.
-  if (size < select.MIN_FAST_SIZE or select.sample_plan(size, kept, sample)[1] > size // 4
-      or (per_step * width) % 32):
+  if plan is None or (per_step * width) % 32:
     return _heavy_hitters(_estimates_in_steps(table, key, size), kept)
-  rank, slots = select.sample_plan(size, kept, sample)
+  sample, rank, slots = plan
   magnitude_bits = lambda values: jax.lax.bitcast_convert_type(jnp.abs(values), jnp.int32)
   threshold = select.kth_largest_bits(magnitude_bits(_estimates_at(
       table, key, jnp.asarray(select.sample_positions(size, sample)), total)), rank)
@@ -363,9 +362,9 @@ def _heavy_in_steps(table: jax.Array, key: jax.Array, size: int, kept: int) -> j
     values = _estimates_in_steps(table, key, size)
     return _bound(values, jax.lax.top_k(jnp.abs(values), kept)[1])
 
-  ok = (count >= kept) & (count <= slots) & (threshold >= jnp.finfo(jnp.float32).tiny)
   kth, last_tie = jax.lax.cond(
-      ok, lambda: (jax.lax.bitcast_convert_type(kth, jnp.float32), last_tie), exact)
+      select.fast_path_holds(count, kept, slots, threshold),
+      lambda: (jax.lax.bitcast_convert_type(kth, jnp.float32), last_tie), exact)
   return jnp.where(_within(estimates, kth, last_tie), estimates, 0.0)
 
 
