@@ -77,10 +77,6 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
     flat = x.reshape(-1).astype(jnp.float32)
     size = flat.shape[0]
     norms = chunks.l2_norms(flat, bucket)
-    # Flat, the norm per element is a reshaped broadcast, which XLA keeps as a division; in
-    # rows of buckets (16M in buckets of 512: encode 66 -> 24 ms of CPU) it rewrites
-    # ``x / broadcast(norm)`` as ``x * broadcast(1 / norm)``, off by an ulp for about a third
-    # of the ratios, which flips a rounding about once in 16M elements.
     # Each code (a division and a hash) computed once, not once per byte it overlaps
     # (1M elements, 6 bits: encode 2.3 -> 1.5 ms of CPU).
     at_once = lambda flat, norms: materialized(
