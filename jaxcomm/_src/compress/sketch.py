@@ -8,13 +8,11 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src.compress import backends
+from jaxcomm._src.compress import backends, select
 from jaxcomm._src.compress.base import Compressor, num_elements
 from jaxcomm._src.validation import check_fraction, check_int_range
 from jaxcomm._src.compress.hashing import bits_at
 from jaxcomm._src.keys import check_seed, raw_key
-from jaxcomm._src.compress import select
-from jaxcomm._src.compress.select import largest_k
 
 
 class CountSketchState(NamedTuple):
@@ -395,8 +393,8 @@ def _kept(values: jax.Array, indices: jax.Array) -> jax.Array:
 
 def _heavy_hitters(estimates: jax.Array, kept: int) -> jax.Array:
   """``estimates`` (1-D) with all but the ``kept`` largest magnitudes set to 0."""
-  return jnp.where(_kept(estimates, largest_k(estimates, kept, by_magnitude=True)), estimates,
-                   0.0)
+  return jnp.where(_kept(estimates, select.largest_k(estimates, kept, by_magnitude=True)),
+                   estimates, 0.0)
 
 
 # Deepest sketch whose median is taken by a sorting network; deeper ones sort.
