@@ -270,12 +270,9 @@ def _estimates_at_once(table: jax.Array, key: jax.Array, size: int) -> jax.Array
   position = jax.lax.broadcasted_iota(jnp.int32, (total, width), 1)
   element = (jax.lax.broadcasted_iota(jnp.uint32, (total, width), 0) * jnp.uint32(width)
              + position.astype(jnp.uint32))
-  words = [bits_at(key, element + jnp.uint32(word * total * width))
-           for word in range(-(-depth // 32))]
-  buckets = [(position + shifts[row][:, None]) % width for row in range(depth)]
-  rows = [_signed(words[row // 32], row, table[row].at[bucket].get(mode="promise_in_bounds"))
-          for row, bucket in enumerate(buckets)]
-  return median_of_rows(rows).reshape(-1)[:size]
+  return _median_estimates(table, key, element, position,
+                           [shifts[row][:, None] for row in range(depth)], total
+                           ).reshape(-1)[:size]
 
 
 def _estimates_at(table: jax.Array, key: jax.Array, positions: jax.Array,
@@ -285,13 +282,24 @@ def _estimates_at(table: jax.Array, key: jax.Array, positions: jax.Array,
   steps, element by element (gathers from the small table), so the same values bit for bit."""
   depth, width = table.shape
   shifts = _shifts(key, 0, total_blocks, total_blocks, width, depth)
-  block, position = positions // width, positions % width
-  element = positions.astype(jnp.uint32)
+  block = positions // width
+  return _median_estimates(table, key, positions.astype(jnp.uint32), positions % width,
+                           [shifts[row][block] for row in range(depth)], total_blocks)
+
+
+def _median_estimates(table: jax.Array, key: jax.Array, element: jax.Array,
+                      position: jax.Array, row_shifts: list[jax.Array],
+                      total_blocks: int) -> jax.Array:
+  """The estimates of the elements numbered ``element`` (uint32) of a sketch over
+  ``total_blocks`` blocks: element ``e`` at ``position`` in its block, whose shift in row ``j``
+  is ``row_shifts[j]`` (an array per row, broadcast against ``position``), reads bucket
+  ``(position + shift) mod width`` of each row, signs it by its hash and takes the median."""
+  depth, width = table.shape
   words = [bits_at(key, element + jnp.uint32(word * total_blocks * width))
            for word in range(-(-depth // 32))]
   return median_of_rows([
       _signed(words[row // 32], row,
-              table[row].at[(position + shifts[row][block]) % width].get(mode="promise_in_bounds"))
+              table[row].at[(position + row_shifts[row]) % width].get(mode="promise_in_bounds"))
       for row in range(depth)])
 
 
