@@ -12,17 +12,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from jaxcomm._src.compress import backends
 from jaxcomm._src.compress.cast import CAST_DTYPES, cast, narrow, round_to, saturate
 from jaxcomm._src.compress.error_feedback import estimate_feedback
 from jaxcomm.compress import error_feedback, topk
 
+from platform_paths import use_accelerator_path
+
 SETTINGS = settings(max_examples=20, deadline=None, derandomize=True, database=None)
 ROUND_TO = jax.jit(round_to, static_argnums=1)
-
-
-def _on_accelerator(monkeypatch):
-  monkeypatch.setattr(backends, "by_platform", lambda cpu, accelerator, *args: accelerator(*args))
 
 
 def _bits(x) -> np.ndarray:
@@ -66,7 +63,7 @@ def test_round_to_is_the_round_trip_through_the_narrow_dtype_bit_for_bit(dtype, 
 def test_narrow_is_the_plain_conversion_bit_for_bit_on_both_paths(dtype, accelerator,
                                                                   monkeypatch):
   if accelerator:
-    _on_accelerator(monkeypatch)
+    use_accelerator_path(monkeypatch)
   x = _inputs(dtype, 0)
   narrowed = jax.jit(narrow, static_argnums=1)(x, dtype)
   plain = x.astype(dtype)
@@ -88,7 +85,7 @@ FEEDBACK_CASES = {
 @pytest.mark.parametrize("case", FEEDBACK_CASES)
 def test_feedback_keeps_what_the_receivers_decode_on_the_accelerator_path(case, monkeypatch):
   """EF21 keeps the sum of the decoded payloads; classic EF the input less the decoded one."""
-  _on_accelerator(monkeypatch)
+  use_accelerator_path(monkeypatch)
   wrap, inner = FEEDBACK_CASES[case]
   compressor = wrap(inner)
   shape = (6, 5)

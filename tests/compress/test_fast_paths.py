@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
                               terngrad, threshold, topk, unpack_bits)
-from jaxcomm._src.compress import backends, chunks, packing
+from jaxcomm._src.compress import chunks, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
@@ -24,6 +24,8 @@ from jaxcomm._src.compress.randomk import random_indices
 from jaxcomm._src.compress.select import (EXACT_PIECE, MIN_FAST_SIZE, TOP_K_MAX, compact,
                                           kth_largest_bits, largest_k, sample_plan,
                                           sample_positions)
+
+from platform_paths import use_accelerator_path
 
 KEY = jax.random.PRNGKey(3)
 fast_largest_k = jax.jit(largest_k, static_argnums=1)
@@ -329,8 +331,7 @@ def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeyp
   norms = jax.jit(lambda x: jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1))(x)
   for path in ("cpu", "accelerator"):
     if path == "accelerator":
-      monkeypatch.setattr(backends, "by_platform",
-                          lambda cpu, accelerator, *args: accelerator(*args))
+      use_accelerator_path(monkeypatch)
     payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
     np.testing.assert_array_equal(payload.codes, plain(x, payload.norm))
     # Over several of chunks.l2_norms' steps (code this test does not cover), the rows of its

@@ -13,14 +13,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from jaxcomm.compress import adaptive_threshold, threshold, topk
-from jaxcomm._src.compress import backends, select
+from jaxcomm._src.compress import select
 from jaxcomm._src.compress.select import MIN_FAST_SIZE, accelerator_kth, kth_largest_bits
 
+from platform_paths import use_accelerator_path
+
 KEY = jax.random.PRNGKey(5)
-
-
-def _on_accelerator(monkeypatch):
-  monkeypatch.setattr(backends, "by_platform", lambda cpu, accelerator, *args: accelerator(*args))
 
 
 @settings(max_examples=25, deadline=None, derandomize=True, database=None)
@@ -73,7 +71,7 @@ def test_largest_k_selects_the_same_positions_on_both_paths(rows, extra, density
 
   cpu = np.asarray(jax.jit(select_k)(values))
   with pytest.MonkeyPatch.context() as monkeypatch:
-    _on_accelerator(monkeypatch)
+    use_accelerator_path(monkeypatch)
     np.testing.assert_array_equal(jax.jit(select_k)(values), cpu)
 
 
@@ -89,7 +87,7 @@ def test_compressors_send_the_same_payload_on_both_paths(compressor, ties, monke
     x = np.round(x * 4) / 4
   x = jnp.asarray(x, jnp.float32)
   cpu = _encodings(compressor, x)
-  _on_accelerator(monkeypatch)
+  use_accelerator_path(monkeypatch)
   jax.tree.map(np.testing.assert_array_equal, _encodings(compressor, x), cpu)
 
 
