@@ -22,7 +22,10 @@ JAX_PLATFORMS=cuda,cpu timeout -s INT 240 python3 -m pytest -q -n 8 -p no:cachep
   > "$out/pytest_compress.txt" 2>&1
 tail -n 15 "$out/pytest_compress.txt"
 
-# 2. The full compressor table at 256M elements (about 2 minutes).
+# 2. The full compressor table at 256M elements (about 2 minutes). With BEFORE=<a git archive
+#    of an older commit, carried to the device> the same rows of that tree are timed in the same
+#    process, and ONLY=<regex> keeps the rows it matches.
 timeout -s INT 200 python3 -m benchmarks.compressors --sizes 268435456 --mlp-hidden 0 \
-  --repeats 5 > "$out/compressors.txt" 2>&1
+  --repeats 5 ${BEFORE:+--tree "before=$BEFORE"} ${ONLY:+--only "$ONLY"} \
+  > "$out/compressors.txt" 2>&1
 cat "$out/compressors.txt"
