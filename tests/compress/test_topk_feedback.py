@@ -77,3 +77,17 @@ def test_approximate_selection_keeps_the_dense_check():
   assert topk(0.01, approximate=True).unsent_nonfinite is None
   assert topk(0.01).unsent_nonfinite is not None
   assert error_feedback(topk(0.01)).unsent_nonfinite is None
+
+
+def test_kept_values_tell_on_the_accelerators_selection(monkeypatch):
+  # The accelerators' formulation of the selection (sampled path and all) keeps NaN and Inf
+  # too; 40,000 elements take the sampled path.
+  from platform_paths import use_accelerator_path
+  use_accelerator_path(monkeypatch)
+  for specials, chunk in ((0, None), (1, None), (30, None), (1, 4096)):
+    compressor = topk(0.01, chunk=chunk, value_dtype=jnp.float16)
+    x = jnp.asarray(_input(specials, 40_000, specials))
+    payload, _ = jax.jit(lambda x: compressor.encode(x, (), KEY))(x)
+    residual = x - compressor.decode(payload, x.shape)
+    assert bool(compressor.unsent_nonfinite(payload)) == bool(has_nonfinite(residual))
+    assert bool(has_nonfinite(residual)) == (specials > 0)
