@@ -240,3 +240,41 @@ def test_psum_gather_round_trips_every_payload_dtype():
   chex.assert_trees_all_equal(gathered["u8"], (x * 10).astype(jnp.uint8)[:, :3])
   chex.assert_trees_all_equal(gathered["bf16"], x.astype(jnp.bfloat16))
   chex.assert_trees_all_equal(gathered["i32"], jnp.tile(jnp.arange(5) + 7, (8, 1)))
+
+
+@pytest.mark.parametrize("value_dtype", [jnp.float32, jnp.bfloat16])
+def test_two_phase_residuals_are_the_input_less_what_was_decoded(value_dtype):
+  # Bit for bit `a - decode(encode(a))` for both residuals, however they are computed (top-k
+  # scatters its values into the input); bfloat16 values leave their rounding behind.
+  from jaxcomm._src.collectives.strategies import TwoPhaseState, two_phase_sum
+  compressor = jaxcomm.topk(0.1, value_dtype=value_dtype)
+  mesh = jax.make_mesh((2,), ("host",), axis_types=(AxisType.Explicit,))
+  keys = jax.random.split(jax.random.PRNGKey(9), 3)
+  shards = fast_random.normal(keys[0], (2, 100))
+  workers = fast_random.normal(keys[1], (2, 100))
+  servers = fast_random.normal(keys[2], (2, 50))
+
+  @jax.jit
+  @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("host"), out_specs=P("host"))
+  def run(shard, worker, server):
+    _, state = two_phase_sum(shard[0], compressor, TwoPhaseState(worker[0], server[0]),
+                             jax.random.PRNGKey(0), "host")
+    return state.worker_residual[None], state.server_residual[None]
+
+  def unsent(x):
+    payload, _ = compressor.encode(x, (), jax.random.PRNGKey(0))
+    return x - compressor.decode(payload, x.shape), compressor.decode(payload, x.shape)
+
+  corrected = (shards + workers).reshape(2, 2, 50)  # (device, chunk, element)
+  expected_workers = jnp.stack([jnp.concatenate([unsent(c)[0] for c in chunks])
+                                for chunks in corrected])
+  # Device j owns chunk j: the two devices' decoded chunks summed (exact for two), then its
+  # server residual.
+  owned = [(unsent(corrected[0, j])[1] + unsent(corrected[1, j])[1]) + servers[j]
+           for j in range(2)]
+  expected_servers = jnp.stack([unsent(o)[0] for o in owned])
+  placed = [jax.device_put(a, NamedSharding(mesh, P("host"))) for a in (shards, workers, servers)]
+  new_workers, new_servers = run(*placed)
+  np.testing.assert_array_equal(np.asarray(new_workers), np.asarray(expected_workers))
+  np.testing.assert_array_equal(np.asarray(new_servers), np.asarray(expected_servers))
+  assert np.any(np.asarray(new_servers) != 0)

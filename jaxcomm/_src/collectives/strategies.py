@@ -36,7 +36,8 @@ import numpy as np
 
 from jaxcomm._src.accounting import NO_COST, Cost, ring_cost
 from jaxcomm._src.compress.base import (AxisContext, Compressor, Shape, combining,
-                                        decode_and_sum, psum_payload, replicated_fields)
+                                        decode_and_sum, psum_payload, replicated_fields,
+                                        subtract_decoded)
 from jaxcomm._src.compress.error_feedback import error_feedback
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
@@ -602,7 +603,10 @@ def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   total = jax.vmap(decode_chunk)(gathered).reshape(-1)[:size]
   if state is None:
     return total, None
-  worker_residual = corrected - jax.vmap(decode_chunk)(payloads).reshape(-1)
-  server_residual = owned - decode_chunk(server_payload)
+  # Both residuals without a dense decode where the compressor has its own subtraction
+  # (top-k: its values scattered into the input), bit for bit the same.
+  worker_residual = jax.vmap(lambda x, p: subtract_decoded(compressor, x, p))(
+      chunks, payloads).reshape(-1)
+  server_residual = subtract_decoded(compressor, owned, server_payload)
   return total, keep_if(has_nonfinite(shard), state,
                         TwoPhaseState(worker_residual, server_residual))

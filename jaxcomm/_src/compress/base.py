@@ -31,6 +31,7 @@ DecodeFn = Callable[[Payload, Shape], jax.Array]
 WireBytesFn = Callable[[Shape, Any], int]
 DecodeSumFn = Callable[[Payload, Shape], jax.Array]
 SubtractDecodedFn = Callable[[jax.Array, Payload], jax.Array]
+UnsentNonfiniteFn = Callable[[Payload], jax.Array]
 
 
 class Compressor(NamedTuple):
@@ -65,6 +66,12 @@ class Compressor(NamedTuple):
       that computes it without a dense decode (top-k: its values subtracted at its indices,
       a scatter XLA can do in place). Error feedback's residual uses it where it is given
       (:func:`subtract_decoded`).
+    unsent_nonfinite: ``None``, or ``unsent_nonfinite(payload) -> bool scalar``: whether
+      ``x - decode(payload, x.shape)`` holds a NaN or an Inf, for the ``x`` that ``encode``
+      made the payload from, read off the payload alone, for a compressor whose payload
+      always carries a non-finite entry of its input (exact top-k: NaN and Inf rank above
+      every finite magnitude, so one is kept whenever the input holds one). Error feedback
+      then checks ``k`` values instead of the whole residual.
   """
   init: InitFn
   encode: EncodeFn
@@ -76,6 +83,7 @@ class Compressor(NamedTuple):
   matrix_method: Any = None
   decode_sum: DecodeSumFn | None = None
   subtract_decoded: SubtractDecodedFn | None = None
+  unsent_nonfinite: UnsentNonfiniteFn | None = None
 
   @property
   def needs_matrix(self) -> bool:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init
 from jaxcomm._src.compress.cast import narrow
+from jaxcomm._src.nonfinite import has_nonfinite
 from jaxcomm._src.validation import (check_bool, check_dtype, check_fraction, check_int_range,
                                      renamed)
 from jaxcomm._src.compress.select import largest_k
@@ -73,6 +74,18 @@ def scatter_sum(indices: jax.Array, values: jax.Array, size: int) -> jax.Array:
   """
   return jnp.zeros(size, jnp.float32).at[indices.reshape(-1)].add(
       values.astype(jnp.float32).reshape(-1))
+
+
+def kept_nonfinite(payload: TopKPayload | ChunkedTopKPayload) -> jax.Array:
+  """The ``unsent_nonfinite`` of exact top-k: some kept value, as decoded, is NaN or Inf.
+
+  That is exactly when ``x - decode(payload)`` holds one. NaN and Inf rank above every finite
+  magnitude (in every chunk), so a non-finite input entry is kept whenever there is one, and
+  its decoded value stays non-finite; a finite kept entry leaves a finite difference unless
+  its value overflowed the value dtype (float16 above 65,504), which decodes to Inf. The
+  approximate TPU selection may miss an entry, so it does not offer this.
+  """
+  return has_nonfinite(payload.values)
 
 
 def select_largest(values: jax.Array, count: int, approximate: bool) -> jax.Array:
@@ -175,7 +188,8 @@ def topk(density: float | None = None, *, k: int | None = None,
   suffix = ", approximate" if approximate else ""
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False, name=f"topk({amount}{suffix})",
-                    decode_sum=decode_sum, subtract_decoded=subtract_decoded)
+                    decode_sum=decode_sum, subtract_decoded=subtract_decoded,
+                    unsent_nonfinite=None if approximate else kept_nonfinite)
 
 
 def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
@@ -229,4 +243,5 @@ def _chunked_topk(density: float, chunk: int, value_dtype: jnp.dtype,
   return Compressor(init=stateless_init, encode=encode, decode=decode, wire_bytes=wire_bytes,
                     linear=False, unbiased=False,
                     name=f"topk({density:g}, chunk={chunk}{suffix})", decode_sum=decode_sum,
-                    subtract_decoded=subtract_decoded)
+                    subtract_decoded=subtract_decoded,
+                    unsent_nonfinite=None if approximate else kept_nonfinite)
