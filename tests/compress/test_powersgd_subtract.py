@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 import jaxcomm
 from jaxcomm._src.compress import powersgd as powersgd_module
+from platform_paths import use_accelerator_path
 
 
 @settings(max_examples=15, deadline=None)
@@ -31,9 +32,13 @@ def test_blocked_subtraction_is_the_plain_expression_bit_for_bit(n, m, rank, blo
   np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("accelerator", [False, True])
 @pytest.mark.parametrize("shape", [(2048, 1024), (3, 3, 300, 512)])
-def test_error_feedback_residual_is_x_minus_decode_bit_for_bit(shape):
-  """Above two blocks (the loop path), ``ef(powersgd)``'s residual is ``x + e - decode``."""
+def test_error_feedback_residual_is_x_minus_decode_bit_for_bit(shape, accelerator, monkeypatch):
+  """Above two blocks (the CPU's loop), and in the accelerators' one expression,
+  ``ef(powersgd)``'s residual is ``x + e - decode``."""
+  if accelerator:
+    use_accelerator_path(monkeypatch)
   compressor = jaxcomm.error_feedback(jaxcomm.powersgd(4))
   keys = jax.random.split(jax.random.PRNGKey(0))
   x = jax.random.normal(keys[0], shape)
