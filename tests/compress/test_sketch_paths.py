@@ -95,3 +95,31 @@ def test_cpu_heavy_hitters_equal_the_estimates_selected_by_largest_k(size, width
       _estimates_in_steps(table, key, size), kept)))(payload.table, payload.key)
   np.testing.assert_array_equal(*decoded)
   assert np.count_nonzero(decoded[0]) == (0 if values == "zeros" else kept)
+
+
+@pytest.mark.parametrize("size,width", [(50304, 1006), (16 * 512 + 5, 512)])
+def test_one_row_unrolled_step_is_the_blocks_signed_rotated_and_summed_in_order(size, width):
+  """One row over a single unrolled step (charlm's shard, and 17 blocks with a partial last
+  one): the table is the blocks' signed rotations added in block order, and the estimates
+  each element's signed bucket, bit for bit against that reference in numpy (no fused
+  multiply-add in float32 sums)."""
+  from jaxcomm._src.compress.sketch import _blocks, sketch_hashes
+  total, steps, _, unrolled = _blocks(size, width, 1)
+  assert steps == 1 and unrolled
+  x = np.random.default_rng(size).standard_normal(size).astype(np.float32)
+  key = jax.random.fold_in(jax.random.PRNGKey(0), size)
+  table, estimates = jax.jit(lambda x, key: (
+      (table := _table_in_steps(x, key, width, 1)), _estimates_in_steps(table, key, size)))(
+          jnp.asarray(x), key)
+  hashes = sketch_hashes(key, 0, total, total, width, 1)
+  signs = np.where(np.asarray(hashes.signs[0]) & 1, 1.0, -1.0).astype(np.float32)
+  shifts = np.asarray(hashes.shifts[0])
+  signed = np.pad(x, (0, total * width - size)).reshape(total, width) * signs
+  buckets = (np.arange(width)[None, :] + shifts[:, None]) % width
+  expected = np.zeros(width, np.float32)
+  for block in range(total):
+    rotated = np.zeros(width, np.float32)
+    rotated[buckets[block]] = signed[block]
+    expected = expected + rotated
+  np.testing.assert_array_equal(table, (np.zeros(width, np.float32) + expected)[None])
+  np.testing.assert_array_equal(estimates, (signs * expected[buckets]).reshape(-1)[:size])
