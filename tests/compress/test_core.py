@@ -250,15 +250,21 @@ def test_bounded_error_feedback_equals_the_dense_formula_bit_for_bit(make):
             jnp.zeros(300), jnp.full(300, 1e30)):
     sent, expected = jax.jit(reference)(x, state, key)
     payload, new_state = jax.jit(compressor.encode)(x, state, key)
-    chex.assert_trees_all_equal(payload, sent)
     if jax.default_backend() == "cpu":
+      chex.assert_trees_all_equal(payload, sent)
       np.testing.assert_array_equal(new_state.residual, expected)
     else:
-      # XLA's GPU compiler contracts a product and a difference into one fused multiply-add
-      # where it sees fit, differently in the two programs: the product is rounded once or
-      # not at all, so the residuals agree to within an ulp of the operands' magnitude.
+      # XLA's GPU compiler fuses each program in its own way: a reduction (sign's scale) may
+      # sum in another order, and a product and a difference may contract into one fused
+      # multiply-add, so floats agree to within ulps of the operands' magnitude; the selected
+      # indices and packed bits exactly.
+      for got, want in zip(jax.tree.leaves(payload), jax.tree.leaves(sent)):
+        if jnp.issubdtype(got.dtype, jnp.floating):
+          np.testing.assert_allclose(got, want, rtol=4 * np.finfo(np.float32).eps)
+        else:
+          np.testing.assert_array_equal(got, want)
       finite = jnp.where(jnp.isfinite(x + residual), jnp.abs(x + residual), 0.0)
-      atol = 2 * np.finfo(np.float32).eps * float(jnp.max(finite))
+      atol = 4 * np.finfo(np.float32).eps * float(jnp.max(finite))
       np.testing.assert_allclose(new_state.residual, expected, rtol=0, atol=atol)
 
 
