@@ -35,11 +35,24 @@ def parse_args(argv: Sequence[str] | None = None):
   return args
 
 
+def compare(leaves, others) -> tuple[bool, float]:
+  """Whether two lists of arrays are equal bit for bit (NaNs at the same places count as
+  equal), and the largest difference relative to each array's largest magnitude."""
+  import numpy as np
+  same = all(np.array_equal(a, b, equal_nan=True) for a, b in zip(leaves, others, strict=True))
+  def relative(a, b):  # over the entries where neither is NaN
+    difference, magnitude = np.abs(a - b), np.abs(b)
+    kept = ~np.isnan(difference)
+    return float(np.max(difference[kept], initial=0.0)
+                 / (np.max(magnitude[kept], initial=0.0) + 1e-30))
+  worst = max((relative(a, b) for a, b in zip(leaves, others)), default=0.0)
+  return same, worst
+
+
 def main(argv: Sequence[str] | None = None) -> int:
   args = parse_args(argv)
   mesh, _ = host_local_mesh(args.hosts, args.local)
   import jax
-  import numpy as np
   runs, batch_at = step_overhead.compile_steps(args, mesh)
   [(label, path)] = args.tree
   other = step_overhead.compile_from_tree(args, mesh, path)
@@ -50,9 +63,7 @@ def main(argv: Sequence[str] | None = None) -> int:
       for index in range(args.steps):
         params, opt_state, _ = step(params, opt_state, batch_at(index))
       final.append(jax.tree.leaves(jax.device_get(params)))
-    same = all(np.array_equal(a, b) for a, b in zip(*final))
-    worst = max(float(np.max(np.abs(a - b)) / (np.max(np.abs(b)) + 1e-30))
-                for a, b in zip(*final))
+    same, worst = compare(*final)
     differing += not same
     print(f"{name}: bit-identical to {label} after {args.steps} steps: {same} "
           f"(largest relative difference {worst:.3g})")
