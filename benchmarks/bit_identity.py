@@ -23,7 +23,9 @@ def parse_args(argv: Sequence[str] | None = None):
   """step_overhead's flags (``--methods``, ``--model``, ``--mesh``, ``--tree`` ...), with
   ``--steps`` in place of its rounds and exactly one ``--tree``."""
   parser = argparse.ArgumentParser(prog="python -m benchmarks.bit_identity",
-                                   description=__doc__.split("\n\n")[0], add_help=False)
+                                   description=__doc__.split("\n\n")[0],
+                                   epilog="Every other flag is python -m benchmarks.step_overhead's "
+                                   "(--methods, --model, --mesh, --hidden, --tree LABEL=PATH).")
   parser.add_argument("--steps", type=int, default=20, help="steps before the comparison")
   own, rest = parser.parse_known_args(argv)
   if own.steps < 1:
