@@ -82,28 +82,27 @@ def _qdisc_counts(namespace: str, device: str) -> tuple[int, int]:
 def probe(rate: str, seconds: float) -> dict:
   """Latencies (seconds) of the probe and the qdiscs' counts under bulk traffic at ``rate``."""
   port, servers, bulk = slow_link.PORT, [], []
-  slow_link._remove_link()
-  try:
-    slow_link._create_link()
-    slow_link._set_rate(rate)
-    servers = [subprocess.Popen(_in(ns, _SERVER, address, port))
-               for ns, address in zip(slow_link.NAMESPACES, slow_link.ADDRESSES)]
-    time.sleep(1.0)
-    for ns, peer in zip(slow_link.NAMESPACES, reversed(slow_link.ADDRESSES)):
-      bulk.append(subprocess.Popen(_in(ns, _BULK, peer, port, seconds + 2.0)))
-    time.sleep(1.0)
-    started = time.time()
-    out = subprocess.run(_in(slow_link.NAMESPACES[1], _PROBE, slow_link.ADDRESSES[0], port,
-                             seconds, _PROBE_BYTES), capture_output=True, text=True, check=True)
-    for process in bulk:
-      process.wait()
-    elapsed = time.time() - started + 1.0
-    counts = [_qdisc_counts(ns, dev) for ns, dev in zip(slow_link.NAMESPACES, slow_link.VETH)]
-    return {"latencies": sorted(json.loads(out.stdout)), "counts": counts, "elapsed": elapsed}
-  finally:
-    for process in servers + bulk:
-      process.kill()
-    slow_link._remove_link()
+  with slow_link.emulated_link():
+    slow_link.set_rate(rate)
+    try:
+      servers = [subprocess.Popen(_in(ns, _SERVER, address, port))
+                 for ns, address in zip(slow_link.NAMESPACES, slow_link.ADDRESSES)]
+      time.sleep(1.0)
+      for ns, peer in zip(slow_link.NAMESPACES, reversed(slow_link.ADDRESSES)):
+        bulk.append(subprocess.Popen(_in(ns, _BULK, peer, port, seconds + 2.0)))
+      time.sleep(1.0)
+      started = time.time()
+      out = subprocess.run(_in(slow_link.NAMESPACES[1], _PROBE, slow_link.ADDRESSES[0], port,
+                               seconds, _PROBE_BYTES), capture_output=True, text=True,
+                           check=True)
+      for process in bulk:
+        process.wait()
+      elapsed = time.time() - started + 1.0
+      counts = [_qdisc_counts(ns, dev) for ns, dev in zip(slow_link.NAMESPACES, slow_link.VETH)]
+    finally:
+      for process in servers + bulk:
+        process.kill()
+  return {"latencies": sorted(json.loads(out.stdout)), "counts": counts, "elapsed": elapsed}
 
 
 def main(argv=None) -> None:

@@ -26,6 +26,7 @@ process exits after ``--timeout`` seconds. Run ``python -m benchmarks.slow_link 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -316,8 +317,21 @@ def _remove_link() -> None:
     shutil.rmtree(f"/etc/netns/{namespace}", ignore_errors=True)
 
 
+@contextlib.contextmanager
+def emulated_link():
+  """Two namespaces joined by a veth pair, without a rate limit yet (:func:`set_rate`), for
+  the ``with`` block; removed at its end, whatever happens (leftovers of an earlier run
+  first)."""
+  _remove_link()
+  try:
+    _create_link()
+    yield
+  finally:
+    _remove_link()
+
+
 def _create_link() -> None:
-  """Two namespaces joined by a veth pair, without a rate limit yet (:func:`_set_rate`)."""
+  """The namespaces, veth pair and hosts files of :func:`emulated_link`."""
   hostname = socket.gethostname()
   for namespace in NAMESPACES:
     _sh("ip", "netns", "add", namespace)
@@ -333,7 +347,7 @@ def _create_link() -> None:
       hosts.write(f"127.0.0.1 localhost\n{address} {hostname}\n")
 
 
-def _set_rate(rate: str) -> None:
+def set_rate(rate: str) -> None:
   """Limits both veth ends to ``rate`` with a tbf qdisc, or removes the limit (``'none'``)."""
   for namespace, device in zip(NAMESPACES, VETH):
     run = ("ip", "netns", "exec", namespace, "tc", "qdisc")
@@ -353,7 +367,7 @@ def _serve_rates(control: str, stop: threading.Event) -> None:
     if os.path.exists(request):
       seq, rate = open(request).read().split()
       if seq != served:
-        _set_rate(rate)
+        set_rate(rate)
         with open(done + ".tmp", "w") as handle:
           handle.write(seq)
         os.replace(done + ".tmp", done)
@@ -444,9 +458,7 @@ def _run_slow_link(args, scratch: str) -> list[dict]:
   control = os.path.join(scratch, "control")
   os.makedirs(control)
   rows = []
-  _remove_link()
-  try:
-    _create_link()
+  with emulated_link():
     for local in args.local_devices:
       stop = threading.Event()
       server = threading.Thread(target=_serve_rates, args=(control, stop), daemon=True)
@@ -460,8 +472,6 @@ def _run_slow_link(args, scratch: str) -> list[dict]:
         stop.set()
         server.join()
       print(f"  {local} device(s) per process: done", flush=True)
-  finally:
-    _remove_link()
   return rows
 
 

@@ -70,7 +70,7 @@ def test_ratio_and_speedup_follow_their_formulas():
 
 def test_a_rate_request_returns_once_the_launcher_has_set_it(tmp_path, monkeypatch):
   applied = []
-  monkeypatch.setattr(slow_link, "_set_rate", applied.append)
+  monkeypatch.setattr(slow_link, "set_rate", applied.append)
   stop = threading.Event()
   server = threading.Thread(target=slow_link._serve_rates, args=(str(tmp_path), stop))
   server.start()
