@@ -3,6 +3,7 @@
 import pathlib
 
 import numpy as np
+import pytest
 
 from benchmarks import bit_identity
 
@@ -24,3 +25,15 @@ def test_this_checkout_against_itself_is_bit_identical(capsys):
   printed = capsys.readouterr().out
   assert status == 0
   assert "sign-ef: bit-identical to self after 2 steps: True" in printed
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0", "--tree", "before=."], "--steps must be >= 1, got 0"),
+    ([], "give exactly one --tree LABEL=PATH to compare with, got 0"),
+    (["--tree", "a=.", "--tree", "b=."], "give exactly one --tree LABEL=PATH to compare with, got 2"),
+])
+def test_bad_arguments_exit_with_a_message(argv, message, capsys):
+  with pytest.raises(SystemExit) as exit_info:
+    bit_identity.parse_args(argv)
+  assert exit_info.value.code == 2
+  assert message in capsys.readouterr().err
