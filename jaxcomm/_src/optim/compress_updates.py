@@ -9,7 +9,9 @@ section 8). The known remedy (DGC's momentum correction, 1-bit Adam, DeMo) compr
 the local momentum. This transformation generalizes it to any optax optimizer and any
 compressor: each host runs the optimizer on its full-precision mean gradient, so its moments
 see dense gradients, and only the resulting update crosses hosts, compressed, with error
-feedback on the update itself (nothing after it integrates the residual's delay).
+feedback on the update itself (nothing after it integrates the residual's delay). Under
+hybrid sharded data parallelism each device runs the optimizer on its ``1/G`` shard of the
+host mean instead (docs/hsdp.md, section 8).
 """
 
 from __future__ import annotations

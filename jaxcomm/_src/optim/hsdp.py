@@ -475,14 +475,15 @@ def check_elementwise(tx: optax.GradientTransformation, shards, shapes: tuple,
   Raises:
     ValueError: naming ``caller``, the operation and its operand's shape.
   """
-  def traced(leaves):
-    params = jax.tree.unflatten(jax.tree.structure(shards), [
-        jax.ShapeDtypeStruct(shape, leaf.dtype) for shape, leaf in zip(leaves, jax.tree.leaves(
-            shards))])
+  leaves, treedef = jax.tree.flatten(shards)
+
+  def traced(leaf_shapes):
+    params = treedef.unflatten([jax.ShapeDtypeStruct(shape, leaf.dtype)
+                                for shape, leaf in zip(leaf_shapes, leaves)])
     return jax.make_jaxpr(lambda p: tx.update(p, tx.init(p), p))(params).jaxpr
 
   full = traced([shape or (1,) for shape in shapes])
-  on_shards = traced([jnp.shape(leaf) for leaf in jax.tree.leaves(shards)])
+  on_shards = traced([leaf.shape for leaf in leaves])
   for jaxpr, where in ((full, "the full leaves"), (on_shards, "1/G shards")):
     for primitive, shape in mixing_operations(jaxpr):
       raise ValueError(
