@@ -15,7 +15,8 @@ method: both held-out losses and HSDP minus replicated, or why HSDP refused the 
 ``--seed`` sets the task (initial parameters, batches) and the methods' seeds;
 ``--compressor-seeds 0,1,2`` keeps the task and prints one row per method seed;
 ``--ulp-control`` adds the replicated run from parameters moved one ulp (a rounding-size
-perturbation of the same algorithm, to compare HSDP's difference with).
+perturbation of the same algorithm, to compare HSDP's difference with); ``--bytes`` adds each
+run's inter-host bytes per device and step (compiled HLO, as the scan reports them).
 
 Run: ``python -m benchmarks.hsdp_lm`` (CPU), or
 ``python -m benchmarks.hsdp_lm --methods fp32-hier,topk-ef,diloco-h8 --size quick --steps 150``.
@@ -63,15 +64,18 @@ def _one_pair(args) -> None:
   print(f"largest |replicated - hsdp| parameter difference: {gap:.2e}")
 
 
-def _hsdp_held_out(task, method, setting, mesh, steps: int) -> float:
-  """Held-out loss of ``method`` trained ``steps`` steps with ``shard_over='local'``."""
+def _hsdp_held_out(task, method, setting, mesh, steps: int) -> tuple[float, float]:
+  """``(held-out loss, inter-host bytes per device and step)`` of ``method`` trained ``steps``
+  steps with ``shard_over='local'``; the bytes from the step's compiled HLO."""
   import jax
   import jaxcomm
   trainer = jaxcomm.data_parallel(task.loss_fn, method.build(setting), mesh, shard_over="local")
   state = trainer.init(task.params)
+  hlo = trainer.step.lower(state, task.batch(0)).compile().as_text()
+  inter_host = jaxcomm.accounting.report_from_hlo(hlo, mesh).link_bytes(("host", "local"))["host"]
   for index in range(steps):
     state, _ = trainer.step(state, task.batch(index))
-  return float(jax.jit(task.loss_fn)(trainer.model(state), task.held_out))
+  return float(jax.jit(task.loss_fn)(trainer.model(state), task.held_out)), inter_host
 
 
 def _per_method(args) -> None:
@@ -96,23 +100,27 @@ def _per_method(args) -> None:
         "(nats/byte)")
   nudged = task._replace(params=jax.tree.map(lambda p: jnp.nextafter(p, -jnp.inf), task.params))
   control = " replicated from params - 1 ulp |" if args.ulp_control else ""
+  control += " inter-host B/step replicated | HSDP |" if args.bytes else ""
   print("| method | replicated | HSDP | HSDP - replicated |" + control)
-  print("|---|---|---|---|" + "---|" * bool(control))
+  print("|---|---|---|---|" + "---|" * control.count("|"))
   for name, seed in [(name, seed) for name in names for seed in seeds]:
     method = registry.REGISTRY[name]
     setting = registry.Setting(lr=task.lr, seed=seed, topk_density=args.topk_density,
                                sketch_density=args.sketch_density, hosts=args.hosts,
                                local=args.local, params=task.params, steps=args.steps)
     label = name if not args.compressor_seeds else f"{name} (compressor seed {seed})"
-    replicated = run(task, method, mesh, setting, args.steps, 1)["held_out_loss"]
+    result = run(task, method, mesh, setting, args.steps, 1)
+    replicated = result["held_out_loss"]
     try:
-      sharded = _hsdp_held_out(task, method, setting, mesh, args.steps)
+      sharded, sharded_bytes = _hsdp_held_out(task, method, setting, mesh, args.steps)
     except ValueError as error:
       print(f"| {label} | {replicated:.4f} | refused: {str(error).splitlines()[0][:160]} | |",
             flush=True)
       continue
     cell = (f" {run(nudged, method, mesh, setting, args.steps, 1)['held_out_loss']:.4f} |"
             if args.ulp_control else "")
+    cell += (f" {result['inter_host_bytes']:,.0f} | {sharded_bytes:,.0f} |" if args.bytes
+             else "")
     print(f"| {label} | {replicated:.4f} | {sharded:.4f} | {sharded - replicated:+.4f} |{cell}",
           flush=True)
 
@@ -142,6 +150,9 @@ def main() -> None:
   parser.add_argument("--ulp-control", action="store_true",
                       help="per-method mode: also the replicated run from every initial "
                       "parameter moved one ulp down (rounding-size perturbation)")
+  parser.add_argument("--bytes", action="store_true",
+                      help="per-method mode: also each run's inter-host bytes per device and "
+                      "step (compiled HLO)")
   args = parser.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   import jax

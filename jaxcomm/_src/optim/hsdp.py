@@ -384,6 +384,15 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
         "jaxcomm.compressed_allreduce(...) first in the chain, or use shard_over=None.")
 
 
+def _sub_jaxprs(eqn) -> Iterator:
+  """The jaxprs nested in ``eqn`` (a call's body, a conditional's branches, a loop's body)."""
+  for value in eqn.params.values():
+    for sub in value if isinstance(value, (tuple, list)) else (value,):
+      inner = getattr(sub, "jaxpr", sub)
+      if hasattr(inner, "eqns"):
+        yield inner
+
+
 def _collectives(jaxpr):
   """``(primitive, axes, operand shape, name scope)`` of every collective in ``jaxpr``, nested
   ones too."""
@@ -395,11 +404,100 @@ def _collectives(jaxpr):
       for var in eqn.invars:
         yield (name, axes, tuple(getattr(var.aval, "shape", ())),
                str(eqn.source_info.name_stack))
-    for value in eqn.params.values():
-      for sub in value if isinstance(value, (tuple, list)) else (value,):
-        inner = getattr(sub, "jaxpr", sub)
-        if hasattr(inner, "eqns"):
-          yield from _collectives(inner)
+    for inner in _sub_jaxprs(eqn):
+      yield from _collectives(inner)
+
+
+# Primitives that compute each output element from the same element of every array operand
+# (scalars broadcast), and reshapes, which keep the elements' flat order.
+_ELEMENTWISE = frozenset({
+    "abs", "acos", "acosh", "add", "and", "asin", "asinh", "atan", "atan2", "atanh", "cbrt",
+    "ceil", "clamp", "convert_element_type", "copy", "copy_p", "cos", "cosh", "div", "eq",
+    "erf", "erf_inv", "erfc", "exp", "exp2", "expand_dims", "expm1", "floor", "ge", "gt",
+    "integer_pow", "is_finite", "le", "log", "log1p", "logistic", "lt", "max", "min", "mul",
+    "ne", "neg", "nextafter", "not", "or", "pow", "reduce_precision", "rem", "reshape",
+    "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "squeeze", "sub",
+    "tan", "tanh", "xor"})
+# Primitives whose nested jaxprs decide instead: calls and custom derivatives (operands
+# passed through), conditionals on a scalar index, loops over a carry.
+_CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
+                    "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond",
+                    "while"})
+
+
+def mixing_operations(jaxpr) -> Iterator[tuple[str, tuple]]:
+  """``(primitive, shape)`` of every operation in ``jaxpr`` (nested ones too) that may combine
+  different elements of an array of rank >= 1: anything but elementwise arithmetic, reshapes
+  and broadcasts of scalars (a reduction, a sort, a slice, ``iota``, random bits).
+
+  A transformation without one is exact on flat zero-padded shards: each element of its
+  output depends on the same element of the gradient, state and parameters only. With one,
+  it would compute on this device's shard alone (``optax.clip_by_global_norm``'s norm,
+  LAMB's per-leaf trust ratio, ``optax.add_noise``'s draws). Rank, not size, decides, so a
+  one-element shard is caught too; operations on scalars (step counts, schedules) pass.
+  """
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name in _CALLS:
+      for inner in _sub_jaxprs(eqn):
+        yield from mixing_operations(inner)
+      continue
+    arrays = eqn.invars[:1] if name == "broadcast_in_dim" else [*eqn.invars, *eqn.outvars]
+    shapes = [tuple(var.aval.shape) for var in arrays if hasattr(var.aval, "shape")]
+    if name not in _ELEMENTWISE and any(shape for shape in shapes):
+      yield name, next(shape for shape in shapes if shape)
+
+
+def _skeleton(jaxpr) -> Iterator[tuple]:
+  """Per operation of ``jaxpr`` (calls flattened): its primitive, its constant operands and
+  its outputs' dtypes; what is left of a computation once its shapes are removed."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _CALLS:
+      for inner in _sub_jaxprs(eqn):
+        yield from _skeleton(inner)
+      continue
+    constants = tuple(repr(var.val) for var in eqn.invars if hasattr(var, "val"))
+    yield (eqn.primitive.name, constants,
+           tuple(str(getattr(var.aval, "dtype", "")) for var in eqn.outvars))
+
+
+def check_elementwise(tx: optax.GradientTransformation, shards, shapes: tuple,
+                      caller: str) -> None:
+  """Refuses a ``tx`` that is not exact on flat shards: its ``init`` and ``update`` must be
+  elementwise (no :func:`mixing_operations`) on the full leaves and on the shards, and run
+  the same operations on both.
+
+  Both are traced on abstract leaves (nothing is computed): with the full ``shapes`` (made
+  at least 1-D) and with ``shards``' shapes. The second comparison catches logic that looks
+  at a leaf's rank or shape (a weight-decay mask by rank, an optimizer that treats matrices
+  differently such as Muon): on 1-D shards it would silently take the other branch.
+
+  Raises:
+    ValueError: naming ``caller``, the operation and its operand's shape.
+  """
+  leaves, treedef = jax.tree.flatten(shards)
+
+  def traced(leaf_shapes):
+    params = treedef.unflatten([jax.ShapeDtypeStruct(shape, leaf.dtype)
+                                for shape, leaf in zip(leaf_shapes, leaves)])
+    return jax.make_jaxpr(lambda p: tx.update(p, tx.init(p), p))(params).jaxpr
+
+  full = traced([shape or (1,) for shape in shapes])
+  on_shards = traced([leaf.shape for leaf in leaves])
+  for jaxpr, where in ((full, "the full leaves"), (on_shards, "1/G shards")):
+    for primitive, shape in mixing_operations(jaxpr):
+      raise ValueError(
+          f"{caller}: inner runs {primitive} on an array of shape {shape} of "
+          f"{where}, which combines different elements (e.g. optax.clip_by_global_norm's "
+          "norm, a per-leaf trust ratio, random noise); under shard_over each device holds "
+          "only its 1/G shard of every leaf, so it would compute on the shard alone. Use an "
+          "elementwise inner optimizer (optax.adamw, sgd, lion, ...) or shard_over=None.")
+  if list(_skeleton(full)) != list(_skeleton(on_shards)):
+    raise ValueError(
+        f"{caller}: inner runs other operations on flat 1/G shards than on the full leaves "
+        "(logic that looks at a leaf's rank or shape, e.g. a weight-decay mask by rank): "
+        "under shard_over it would silently take the other branch. Pass masks by name, or "
+        "use shard_over=None.")
 
 
 def column_blocks(shape: tuple, group: int, rank: int, min_compression_rate: float) -> int:
