@@ -29,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm._src.compress.powersgd import (approximation_rows, as_rows, back_project_rows,
-                                            orthogonalize, project_rows)
+from jaxcomm._src.compress.powersgd import (approximation_rows_t, as_rows, back_project_rows_t,
+                                            orthogonalize_t, project_rows_t)
 from jaxcomm._src.nonfinite import keep_if
 
 
@@ -112,13 +112,13 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   corrected = [jnp.stack([blocks[i].astype(jnp.float32) + (states[i].residual if feedback else 0.0)
                           for i in indices]) for indices in groups.values()]
   warm = [jnp.stack([states[i].q for i in indices]) for indices in groups.values()]
-  sums = psum_together([jax.lax.psum(project_rows(rows, q), fast_axis)
+  sums = psum_together([jax.lax.psum(project_rows_t(rows, q), fast_axis)
                         for rows, q in zip(corrected, warm)]
                        + [blocks[i].astype(jnp.float32) for i in dense], slow_axis)
   for i, total in zip(dense, sums[len(groups):]):
     outputs[i] = total
   ps = orthogonalize_batched(sums[:len(groups)], epsilon)
-  qs = psum_together([back_project_rows(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
+  qs = psum_together([back_project_rows_t(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
   for indices, rows, q, p, summed in zip(groups.values(), corrected, warm, ps, qs):
     approx, group_states = _factor_group(rows, q, p, summed, [states[i] for i in indices],
                                          fast_axis=fast_axis, slow_axis=slow_axis,
@@ -142,21 +142,21 @@ def psum_together(arrays: Sequence[jax.Array], axis: str) -> list[jax.Array]:
 
 
 def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[jax.Array]:
-  """:func:`~jaxcomm.compress.powersgd.orthogonalize` of each ``(k, m, r)`` stack of ``P``s,
-  those of one ``(m, r)`` shape concatenated into one batch: leaves whose row blocks differ
-  but whose ``P`` does not (a ``(512, 256)`` and a ``(256, 256)`` kernel) share one
-  Gram-Schmidt, whose ``r (r + 1) / 2`` reductions XLA's CPU backend runs as two to three
-  small kernels each (37 for ``m = 256``, ``r = 4``), once instead of once per group."""
-  by_shape: dict[tuple, list[int]] = {}
-  for index, factor in enumerate(factors):
-    by_shape.setdefault(factor.shape[1:], []).append(index)
-  results: list = [None] * len(factors)
-  for indices in by_shape.values():
-    batch = orthogonalize(jnp.concatenate([factors[i] for i in indices]), epsilon)
-    splits = np.cumsum([factors[i].shape[0] for i in indices])[:-1]
-    for index, part in zip(indices, jnp.split(batch, splits)):
-      results[index] = part
-  return results
+  """:func:`~jaxcomm.compress.powersgd.orthogonalize_t` of each ``(k, r, m)`` stack of
+  ``P^T``s, all of them in one batch: each is zero-padded to the largest ``m`` (zero entries
+  change no dot product or norm in exact arithmetic, and stay zero), so the step runs one
+  Gram-Schmidt, whose ``2 r - 1`` reductions XLA's CPU backend runs as two to three small
+  kernels each, whatever the leaves' shapes. Equal to each stack's own Gram-Schmidt up to
+  the order of each reduction's sum (see tests/compress/test_powersgd_orthogonalize.py)."""
+  if not factors:
+    return []
+  width = max(factor.shape[-1] for factor in factors)
+  batch = orthogonalize_t(jnp.concatenate([
+      jnp.pad(factor, ((0, 0), (0, 0), (0, width - factor.shape[-1]))) for factor in factors]),
+      epsilon)
+  ends = np.cumsum([factor.shape[0] for factor in factors])
+  return [batch[end - factor.shape[0]:end, :, :factor.shape[-1]]
+          for factor, end in zip(factors, ends)]
 
 
 def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: str,
@@ -165,7 +165,7 @@ def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: s
   added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P``
   (``(k, m, r)``) and ``Q = psum_slow(A_g P)`` (``(k, c, r)``): the rows of the approximation
   ``(k, c, m)`` and the new states."""
-  approx = approximation_rows(p, q)
+  approx = approximation_rows_t(p, q)
   # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
   # whether the step was bad, with no pass over the approximation: a NaN or Inf in any
   # device's block or residual makes its rows of P = sum A_g^T Q_g non-finite (NaN * x and
