@@ -119,9 +119,11 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
     outputs[i] = total
   ps = orthogonalize_batched(sums[:len(groups)], epsilon)
   qs = psum_together([back_project_rows_t(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
-  for indices, rows, q, p, summed in zip(groups.values(), corrected, warm, ps, qs):
-    approx, group_states = _factor_group(rows, q, p, summed, [states[i] for i in indices],
-                                         fast_axis=fast_axis, slow_axis=slow_axis,
+  totals = jax.lax.psum(column_norms(qs), fast_axis) if qs else []
+  ends = np.cumsum([q.shape[0] for q in qs])
+  for indices, rows, q, p, summed, end in zip(groups.values(), corrected, warm, ps, qs, ends):
+    approx, group_states = _factor_group(rows, q, p, summed, totals[end - len(indices):end],
+                                         [states[i] for i in indices], slow_axis=slow_axis,
                                          feedback=feedback)
     for slot, i in enumerate(indices):
       outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
@@ -159,12 +161,24 @@ def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[
           for factor, end in zip(factors, ends)]
 
 
-def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: str,
-                  feedback: bool):
+def column_norms(qs: Sequence[jax.Array]) -> jax.Array:
+  """The squared column norms of every leaf's ``Q`` block, ``(leaves, r)`` from the stacks
+  ``qs`` (``(k, c, r)`` each, one ``r``), in one reduction: all blocks' rows side by side,
+  each leaf's summed under a static mask (a select, so a NaN or Inf in one leaf's rows stays
+  out of the others'), where a reduction per stack ran as three small kernels each."""
+  rows = jnp.concatenate([q.reshape(-1, q.shape[-1]) for q in qs])
+  owner = np.repeat(np.arange(sum(q.shape[0] for q in qs)),
+                    [q.shape[1] for q in qs for _ in range(q.shape[0])])
+  mask = owner[None, :, None] == np.arange(owner[-1] + 1)[:, None, None]
+  return jnp.sum(jnp.where(mask, (rows * rows)[None], 0.0), axis=1)
+
+
+def _factor_group(corrected, warm, p, q, totals, states, *, slow_axis: str, feedback: bool):
   """:func:`powersgd_reduce` for the stacked row blocks ``corrected`` (``(k, c, m)``, residual
-  added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P``
-  (``(k, m, r)``) and ``Q = psum_slow(A_g P)`` (``(k, c, r)``): the rows of the approximation
-  ``(k, c, m)`` and the new states."""
+  added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P^T``
+  (``(k, r, m)``), ``Q = psum_slow(A_g P)`` (``(k, c, r)``) and ``Q``'s squared column norms
+  summed over the host's row blocks (``(k, r)``, :func:`column_norms`): the rows of the
+  approximation ``(k, c, m)`` and the new states."""
   approx = approximation_rows_t(p, q)
   # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
   # whether the step was bad, with no pass over the approximation: a NaN or Inf in any
@@ -174,12 +188,12 @@ def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: s
   # every device's rows; the norms then are NaN or Inf. Non-finite norms with finite
   # entries take |Q| above ~1.8e19, where the approximation Q P^T (|P| <= 1) is within a
   # factor r of overflowing too.
-  totals = jax.lax.psum(jnp.sum(q * q, axis=1), fast_axis)
   next_q = jnp.where(totals[:, None, :] > 0, q, warm)
+  bad = ~jnp.all(jnp.isfinite(totals), axis=1)
   hosts = jax.lax.axis_size(slow_axis)
   new_states = []
   for slot, state in enumerate(states):
     residual = corrected[slot] - approx[slot] / hosts if feedback else state.residual
-    new_states.append(keep_if(~jnp.all(jnp.isfinite(totals[slot])), state,
+    new_states.append(keep_if(bad[slot], state,
                               PowerSGDLeafState(q=next_q[slot], residual=residual)))
   return approx, new_states
