@@ -15,8 +15,10 @@ and factorized leaf:
 
 Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
 the same shape are stacked, every leaf's ``P`` (with the dense leaves' sums) crosses the slow
-axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), and all
-``P`` of one ``(m, r)`` shape are orthogonalized in one batch.
+axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), every
+``P`` is held as ``P^T`` (``r x m``) and all of them are orthogonalized in one zero-padded
+batch (:func:`orthogonalize_batched`), and every leaf's state check is one reduction
+(:func:`column_norms`).
 """
 
 from __future__ import annotations
