@@ -233,12 +233,13 @@ def back_project(matrix: jax.Array, p: jax.Array) -> jax.Array:
 
 def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
   """Gram-Schmidt on the columns of ``p`` (shape ``(..., m, r)``, leading axes a batch of
-  matrices), dividing by ``norm + epsilon``: :func:`orthogonalize_t` of ``p``'s transpose.
+  matrices), dividing by ``norm + epsilon``.
 
   The epsilon keeps a rank-deficient ``p`` finite: a zero column stays zero instead of
   becoming NaN (a dependent column keeps only rounding noise, scaled to norm at most 1). Every
   column has norm at most 1 and the columns are orthogonal, so ``p p^T`` is a contraction and
   ``||M - p p^T M|| <= ||M||``. A NaN or Inf in ``p`` leaves a NaN or Inf in the result.
+  Computed as :func:`orthogonalize_t` of ``p``'s transpose.
   """
   return jnp.swapaxes(orthogonalize_t(jnp.swapaxes(p, -1, -2), epsilon), -1, -2)
 
