@@ -5,7 +5,6 @@ import functools
 
 import chex
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
