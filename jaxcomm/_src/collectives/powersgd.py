@@ -15,8 +15,10 @@ and factorized leaf:
 
 Leaves sent dense are all-reduced over the fast axis, then over the slow one. All matrices of
 the same shape are stacked, every leaf's ``P`` (with the dense leaves' sums) crosses the slow
-axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), and all
-``P`` of one ``(m, r)`` shape are orthogonalized in one batch.
+axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), every
+``P`` is held as ``P^T`` (``r x m``) and all of them are orthogonalized in one zero-padded
+batch (:func:`orthogonalize_batched`), and every leaf's state check is one reduction
+(:func:`column_norms`).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcomm._src.compress.powersgd import (approximation_rows, as_rows, back_project_rows,
-                                            orthogonalize, project_rows)
+from jaxcomm._src.compress.powersgd import (approximation_rows_t, as_rows, back_project_rows_t,
+                                            orthogonalize_t, project_rows_t)
 from jaxcomm._src.nonfinite import keep_if
 
 
@@ -112,16 +114,18 @@ def powersgd_reduce(blocks: Sequence[jax.Array], states: Sequence[PowerSGDLeafSt
   corrected = [jnp.stack([blocks[i].astype(jnp.float32) + (states[i].residual if feedback else 0.0)
                           for i in indices]) for indices in groups.values()]
   warm = [jnp.stack([states[i].q for i in indices]) for indices in groups.values()]
-  sums = psum_together([jax.lax.psum(project_rows(rows, q), fast_axis)
+  sums = psum_together([jax.lax.psum(project_rows_t(rows, q), fast_axis)
                         for rows, q in zip(corrected, warm)]
                        + [blocks[i].astype(jnp.float32) for i in dense], slow_axis)
   for i, total in zip(dense, sums[len(groups):]):
     outputs[i] = total
   ps = orthogonalize_batched(sums[:len(groups)], epsilon)
-  qs = psum_together([back_project_rows(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
-  for indices, rows, q, p, summed in zip(groups.values(), corrected, warm, ps, qs):
-    approx, group_states = _factor_group(rows, q, p, summed, [states[i] for i in indices],
-                                         fast_axis=fast_axis, slow_axis=slow_axis,
+  qs = psum_together([back_project_rows_t(rows, p) for rows, p in zip(corrected, ps)], slow_axis)
+  totals = jax.lax.psum(column_norms(qs), fast_axis) if qs else []
+  ends = np.cumsum([q.shape[0] for q in qs])
+  for indices, rows, q, p, summed, end in zip(groups.values(), corrected, warm, ps, qs, ends):
+    approx, group_states = _factor_group(rows, q, p, summed, totals[end - len(indices):end],
+                                         [states[i] for i in indices], slow_axis=slow_axis,
                                          feedback=feedback)
     for slot, i in enumerate(indices):
       outputs[i] = gather_rows(approx[slot], shapes[i], fast_axis)
@@ -142,30 +146,42 @@ def psum_together(arrays: Sequence[jax.Array], axis: str) -> list[jax.Array]:
 
 
 def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[jax.Array]:
-  """:func:`~jaxcomm.compress.powersgd.orthogonalize` of each ``(k, m, r)`` stack of ``P``s,
-  those of one ``(m, r)`` shape concatenated into one batch: leaves whose row blocks differ
-  but whose ``P`` does not (a ``(512, 256)`` and a ``(256, 256)`` kernel) share one
-  Gram-Schmidt, whose ``r (r + 1) / 2`` reductions XLA's CPU backend runs as two to three
-  small kernels each (37 for ``m = 256``, ``r = 4``), once instead of once per group."""
-  by_shape: dict[tuple, list[int]] = {}
-  for index, factor in enumerate(factors):
-    by_shape.setdefault(factor.shape[1:], []).append(index)
-  results: list = [None] * len(factors)
-  for indices in by_shape.values():
-    batch = orthogonalize(jnp.concatenate([factors[i] for i in indices]), epsilon)
-    splits = np.cumsum([factors[i].shape[0] for i in indices])[:-1]
-    for index, part in zip(indices, jnp.split(batch, splits)):
-      results[index] = part
-  return results
+  """:func:`~jaxcomm.compress.powersgd.orthogonalize_t` of each ``(k, r, m)`` stack of
+  ``P^T``s, all of them in one batch: each is zero-padded to the largest ``m`` (zero entries
+  change no dot product or norm in exact arithmetic, and stay zero), so the step runs one
+  Gram-Schmidt, whose ``2 r - 1`` reductions XLA's CPU backend runs as two to three small
+  kernels each, whatever the leaves' shapes. Equal to each stack's own Gram-Schmidt up to
+  the order of each reduction's sum (see tests/compress/test_powersgd_orthogonalize.py)."""
+  if not factors:
+    return []
+  width = max(factor.shape[-1] for factor in factors)
+  batch = orthogonalize_t(jnp.concatenate([
+      jnp.pad(factor, ((0, 0), (0, 0), (0, width - factor.shape[-1]))) for factor in factors]),
+      epsilon)
+  ends = np.cumsum([factor.shape[0] for factor in factors])
+  return [batch[end - factor.shape[0]:end, :, :factor.shape[-1]]
+          for factor, end in zip(factors, ends)]
 
 
-def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: str,
-                  feedback: bool):
+def column_norms(qs: Sequence[jax.Array]) -> jax.Array:
+  """The squared column norms of every leaf's ``Q`` block, ``(leaves, r)`` from the stacks
+  ``qs`` (``(k, c, r)`` each, one ``r``), in one reduction: all blocks' rows side by side,
+  each leaf's summed under a static mask (a select, so a NaN or Inf in one leaf's rows stays
+  out of the others'), where a reduction per stack ran as three small kernels each."""
+  rows = jnp.concatenate([q.reshape(-1, q.shape[-1]) for q in qs])
+  owner = np.repeat(np.arange(sum(q.shape[0] for q in qs)),
+                    [q.shape[1] for q in qs for _ in range(q.shape[0])])
+  mask = owner[None, :, None] == np.arange(owner[-1] + 1)[:, None, None]
+  return jnp.sum(jnp.where(mask, (rows * rows)[None], 0.0), axis=1)
+
+
+def _factor_group(corrected, warm, p, q, totals, states, *, slow_axis: str, feedback: bool):
   """:func:`powersgd_reduce` for the stacked row blocks ``corrected`` (``(k, c, m)``, residual
-  added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P``
-  (``(k, m, r)``) and ``Q = psum_slow(A_g P)`` (``(k, c, r)``): the rows of the approximation
-  ``(k, c, m)`` and the new states."""
-  approx = approximation_rows(p, q)
+  added) of same-shaped leaves, their warm starts ``(k, c, r)``, orthogonalized ``P^T``
+  (``(k, r, m)``), ``Q = psum_slow(A_g P)`` (``(k, c, r)``) and ``Q``'s squared column norms
+  summed over the host's row blocks (``(k, r)``, :func:`column_norms`): the rows of the
+  approximation ``(k, c, m)`` and the new states."""
+  approx = approximation_rows_t(p, q)
   # Q's squared column norms, summed over the host's row blocks (one all-reduce), also say
   # whether the step was bad, with no pass over the approximation: a NaN or Inf in any
   # device's block or residual makes its rows of P = sum A_g^T Q_g non-finite (NaN * x and
@@ -174,12 +190,12 @@ def _factor_group(corrected, warm, p, q, states, *, fast_axis: str, slow_axis: s
   # every device's rows; the norms then are NaN or Inf. Non-finite norms with finite
   # entries take |Q| above ~1.8e19, where the approximation Q P^T (|P| <= 1) is within a
   # factor r of overflowing too.
-  totals = jax.lax.psum(jnp.sum(q * q, axis=1), fast_axis)
   next_q = jnp.where(totals[:, None, :] > 0, q, warm)
+  bad = ~jnp.all(jnp.isfinite(totals), axis=1)
   hosts = jax.lax.axis_size(slow_axis)
   new_states = []
   for slot, state in enumerate(states):
     residual = corrected[slot] - approx[slot] / hosts if feedback else state.residual
-    new_states.append(keep_if(~jnp.all(jnp.isfinite(totals[slot])), state,
+    new_states.append(keep_if(bad[slot], state,
                               PowerSGDLeafState(q=next_q[slot], residual=residual)))
   return approx, new_states
