@@ -1,7 +1,7 @@
 """PowerSGD's Gram-Schmidt in the transposed layout, and the step's one padded batch of it.
 
-``orthogonalize_t`` (right-looking modified Gram-Schmidt on the rows of ``P^T``) replaced the
-column-by-column form that ``orthogonalize`` ran until session 18, and the collective now
+``orthogonalize_t`` (the same Gram-Schmidt on the rows of ``P^T``) replaced the ``(m, r)``
+column form that ``orthogonalize`` ran until session 18, and the collective now
 orthogonalizes every leaf's ``P^T`` in one batch zero-padded to the largest ``m``. Both are the
 same algorithm up to the order of each reduction's sum: checked here against the former
 form (:func:`_column_by_column`, its code), against float64, and on zero, dependent and
@@ -12,7 +12,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from jaxcomm._src.collectives.powersgd import orthogonalize_batched
@@ -56,6 +56,7 @@ def _degenerate(key, batch, m, rank, kinds):
 @settings(max_examples=20, deadline=None)
 @given(m=st.integers(1, 300), rank=st.integers(1, 4), batch=st.integers(1, 3),
        seed=st.integers(0, 2**16))
+@example(m=3, rank=3, batch=1, seed=32540)  # cond 1,044
 def test_transposed_gram_schmidt_is_the_former_one_up_to_rounding(m, rank, batch, seed):
   p = jax.random.normal(jax.random.PRNGKey(seed), (batch, m, rank))
   got = np.asarray(jax.jit(orthogonalize_t)(jnp.swapaxes(p, -1, -2)))
@@ -64,19 +65,31 @@ def test_transposed_gram_schmidt_is_the_former_one_up_to_rounding(m, rank, batch
   np.testing.assert_array_equal(got, jax.jit(orthogonalize)(p))
   former = np.asarray(jax.jit(_column_by_column)(p))
   independent = min(m, rank)  # past the m-th, columns are rounding noise (see orthogonalize)
-  np.testing.assert_allclose(got[..., :independent], former[..., :independent], atol=TOLERANCE)
+  # Gram-Schmidt's rounding error, and its loss of orthogonality, grow with the condition
+  # number of the independent columns (about cond * eps); a random square matrix can have
+  # cond ~ 1,000 (test_lowrank_vote_config.py has such a case).
+  cond = max(np.linalg.cond(np.asarray(p[index, :, :independent])) for index in range(batch))
+  slack = 16 * cond * np.finfo(np.float32).eps
+  np.testing.assert_allclose(got[..., :independent], former[..., :independent],
+                             atol=max(TOLERANCE, slack))
   assert np.all(np.linalg.norm(got, axis=-2) <= 1 + 1e-6)
   if m >= rank:
     for index in range(batch):
       np.testing.assert_allclose(got[index], _float64_gram_schmidt(np.asarray(p[index])),
-                                 atol=2e-4)
-      np.testing.assert_allclose(got[index].T @ got[index], np.eye(rank), atol=1e-5)
+                                 atol=max(2e-4, slack))
+      np.testing.assert_allclose(got[index].T @ got[index], np.eye(rank),
+                                 atol=max(1e-5, slack / 4))
 
 
 @settings(max_examples=20, deadline=None)
 @given(kinds=st.lists(st.sampled_from(["random", "random", "zero", "copy"]), min_size=1,
                       max_size=4),
        m=st.integers(4, 64), seed=st.integers(0, 2**16))
+# A right-looking order (each normalized row's overlaps with all later rows in one
+# reduction) gave this copy a norm of 1.09 and the last column 1.002 under the suite's XLA
+# flags: XLA computed the copy's cancelling difference once for its norm and once for the
+# division, rounded differently.
+@example(kinds=["random", "copy", "random", "random"], m=4, seed=0)
 def test_zero_and_dependent_columns_as_before(kinds, m, seed):
   """A zero column stays exactly zero (and changes no other column), a copy of an earlier
   column keeps only rounding noise of norm at most 1; the independent columns before the

@@ -17,8 +17,8 @@ Leaves sent dense are all-reduced over the fast axis, then over the slow one. Al
 the same shape are stacked, every leaf's ``P`` (with the dense leaves' sums) crosses the slow
 axis in one all-reduce and every leaf's ``Q`` in another (:func:`psum_together`), every
 ``P`` is held as ``P^T`` (``r x m``) and all of them are orthogonalized in one zero-padded
-batch (:func:`orthogonalize_batched`), and every leaf's state check is one reduction
-(:func:`column_norms`).
+batch (:func:`orthogonalize_batched`), and every leaf's state check crosses the fast axis in
+one all-reduce (:func:`column_norms`).
 """
 
 from __future__ import annotations
@@ -149,8 +149,8 @@ def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[
   """:func:`~jaxcomm.compress.powersgd.orthogonalize_t` of each ``(k, r, m)`` stack of
   ``P^T``s, all of them in one batch: each is zero-padded to the largest ``m`` (zero entries
   change no dot product or norm in exact arithmetic, and stay zero), so the step runs one
-  Gram-Schmidt, whose ``2 r - 1`` reductions XLA's CPU backend runs as two to three small
-  kernels each, whatever the leaves' shapes. Equal to each stack's own Gram-Schmidt up to
+  Gram-Schmidt, whose ``r (r + 1) / 2`` reductions XLA's CPU backend runs as two to three
+  small kernels each, whatever the leaves' shapes. Equal to each stack's own Gram-Schmidt up to
   the order of each reduction's sum (see tests/compress/test_powersgd_orthogonalize.py)."""
   if not factors:
     return []
@@ -165,14 +165,9 @@ def orthogonalize_batched(factors: Sequence[jax.Array], epsilon: float) -> list[
 
 def column_norms(qs: Sequence[jax.Array]) -> jax.Array:
   """The squared column norms of every leaf's ``Q`` block, ``(leaves, r)`` from the stacks
-  ``qs`` (``(k, c, r)`` each, one ``r``), in one reduction: all blocks' rows side by side,
-  each leaf's summed under a static mask (a select, so a NaN or Inf in one leaf's rows stays
-  out of the others'), where a reduction per stack ran as three small kernels each."""
-  rows = jnp.concatenate([q.reshape(-1, q.shape[-1]) for q in qs])
-  owner = np.repeat(np.arange(sum(q.shape[0] for q in qs)),
-                    [q.shape[1] for q in qs for _ in range(q.shape[0])])
-  mask = owner[None, :, None] == np.arange(owner[-1] + 1)[:, None, None]
-  return jnp.sum(jnp.where(mask, (rows * rows)[None], 0.0), axis=1)
+  ``qs`` (``(k, c, r)`` each, one ``r``): each stack's own reduction, side by side, so that
+  one all-reduce carries them all (a NaN or Inf in one leaf's rows stays in its own row)."""
+  return jnp.concatenate([jnp.sum(q * q, axis=1) for q in qs])
 
 
 def _factor_group(corrected, warm, p, q, totals, states, *, slow_axis: str, feedback: bool):

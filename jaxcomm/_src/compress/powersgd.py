@@ -245,28 +245,26 @@ def orthogonalize(p: jax.Array, epsilon: float = 1e-8) -> jax.Array:
 
 
 def orthogonalize_t(pt: jax.Array, epsilon: float = 1e-8) -> jax.Array:
-  """:func:`orthogonalize` in the transposed layout: modified Gram-Schmidt on the rows of
+  """:func:`orthogonalize` in the transposed layout: Gram-Schmidt on the rows of
   ``pt = P^T`` (shape ``(..., r, m)``), each divided by ``norm + epsilon``.
 
-  Right-looking: once row ``j`` is normalized, its overlaps with all later rows are one
-  reduction and their update one pass, instead of one reduction per pair. Each later row
-  takes the same operations in the same order as the column-by-column form (row ``i`` loses
-  ``<q_j, v_i> q_j`` for ``j = 0 .. i-1``, with ``v_i`` already updated by ``q_0 .. q_{j-1}``),
-  so the result is the same up to how XLA orders each reduction's sum; XLA's CPU backend
-  runs ``2 r - 1`` reductions instead of ``r (r + 1) / 2`` (7 instead of 10 at ``r = 4``).
-  Zero-padding ``m`` (extra zero entries in every row) changes no dot product or norm in
-  exact arithmetic and leaves the padded entries zero.
+  Row ``i`` loses ``<q_j, v_i> q_j`` for ``j = 0 .. i-1`` (``v_i`` updated as it goes), then
+  is normalized: the column-by-column order of the classic form, with every reduction along
+  the minor axis ``m``. The right-looking order (each normalized row's overlaps with all
+  later rows in one reduction, ``2 r - 1`` reductions instead of ``r (r + 1) / 2``) was
+  tried and dropped: XLA recomputed a row's cancelling difference in the norm's fusion and
+  in the division's with different rounding, so a dependent row's noise came out with norms
+  up to 4 (tests/compress/test_powersgd_orthogonalize.py). Zero-padding ``m`` (extra zero
+  entries in every row) changes no dot product or norm in exact arithmetic and leaves the
+  padded entries zero.
   """
   done = []
-  rest = pt
-  for _ in range(pt.shape[-2]):
-    row = rest[..., 0, :]
-    row = row / (jnp.linalg.norm(row, axis=-1, keepdims=True) + epsilon)
-    done.append(row)
-    rest = rest[..., 1:, :]
-    if rest.shape[-2]:
-      overlap = jnp.einsum("...m,...km->...k", row, rest, precision=PRECISION)
-      rest = rest - overlap[..., None] * row[..., None, :]
+  for index in range(pt.shape[-2]):
+    row = pt[..., index, :]
+    for previous in done:
+      overlap = jnp.einsum("...m,...m->...", previous, row, precision=PRECISION)
+      row = row - overlap[..., None] * previous
+    done.append(row / (jnp.linalg.norm(row, axis=-1, keepdims=True) + epsilon))
   return jnp.stack(done, axis=-2)
 
 
