@@ -23,11 +23,12 @@ import collections
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
@@ -414,7 +415,8 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
   jaxpr = jax.make_jaxpr(jax.shard_map(
       probe, mesh=mesh, in_specs=(layout_specs(shards, layout), state_specs),
       out_specs=()))(shards, opt_state).jaxpr
-  for eqn, who in _checked_operations(jaxpr):
+  checked = list(_checked_operations(jaxpr))
+  for eqn, who in checked:
     collective = _collective(eqn)
     if collective and axis in collective[0] and any(dim != 1 for dim in collective[1]):
       raise ValueError(
@@ -424,7 +426,7 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
           f"shard, so tx may only communicate over {others}. Transformations that average over "
           "every axis themselves (jaxcomm.dgc, powersgd_allreduce, a pmean over all axes) "
           "cannot run on shards: use jaxcomm.compressed_allreduce(...) or shard_over=None.")
-  mixing = [(_mixing_shape(eqn), eqn, who) for eqn, who in _checked_operations(jaxpr)]
+  mixing = [(_mixing_shape(eqn), eqn, who) for eqn, who in checked]
   mixing = [entry for entry in mixing if entry[0]]
   if mixing:  # the largest operand names the culprit best (not a key split, say)
     shape, eqn, who = max(mixing, key=lambda entry: math.prod(entry[0]))
@@ -435,7 +437,7 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
         "only its 1/G shard of every leaf, so it would compute on the shard alone. Use "
         "elementwise optimizers there (optax.adamw, sgd, lion, ...; jaxcomm's own "
         "transformations declare their exact parts), or shard_over=None.")
-  _check_same_operations(tx, jaxpr, shards, mesh, layout)
+  _check_same_operations(tx, checked, shards, mesh, layout)
   if any(differing) and not per_host:
     raise ValueError(
         f"shard_over={axis!r}: tx.update returns updates that differ across mesh axes "
@@ -447,10 +449,10 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
         "jaxcomm.compressed_allreduce(...) first in the chain, or use shard_over=None.")
 
 
-def _check_same_operations(tx: optax.GradientTransformation, sharded_jaxpr, shards,
+def _check_same_operations(tx: optax.GradientTransformation, checked: list, shards,
                            mesh: Mesh, layout: ShardLayout) -> None:
-  """Refuses a ``tx`` whose checked operations (:func:`_checked_operations`) on shards
-  (``sharded_jaxpr``) are not those of ``tx.update`` on the full leaves (at least 1-D) as
+  """Refuses a ``tx`` whose operations on shards (``checked``, from
+  :func:`_checked_operations`) are not those of ``tx.update`` on the full leaves (at least 1-D) as
   the replicated step runs it: inside ``shard_map`` over ``mesh``, every device's gradient its
   own; with per-host parameters, over ``mesh`` with one device per host, each its own worker
   (the hosts-as-workers run the sharded one equals)."""
@@ -470,8 +472,8 @@ def _check_same_operations(tx: optax.GradientTransformation, sharded_jaxpr, shar
 
   jax.eval_shape(jax.shard_map(probe, mesh=replicated_mesh, in_specs=(PartitionSpec(),),
                                out_specs=()), full)
-  on_shards_ops = collections.Counter(_skeleton(sharded_jaxpr))
-  replicated_ops = collections.Counter(_skeleton(traced[0]))
+  on_shards_ops = collections.Counter(_skeleton(checked))
+  replicated_ops = collections.Counter(_skeleton(_checked_operations(traced[0])))
   if on_shards_ops != replicated_ops:
     who, name, _, _ = min((on_shards_ops - replicated_ops) or (replicated_ops - on_shards_ops))
     raise ValueError(
@@ -563,26 +565,28 @@ def _mixing_shape(eqn) -> tuple:
   return max(shapes, key=math.prod, default=())
 
 
-def _constant(var, cast_constants: dict) -> str | None:
-  """``repr`` of the constant ``var`` is (a literal, or one cast by shard_map), else ``None``."""
+def _constant(var, cast_constants: dict) -> tuple | None:
+  """``(dtype, value)`` of the constant ``var`` is (a literal, a scalar, or one cast by
+  shard_map), else ``None``."""
   if hasattr(var, "val"):
-    return repr(var.val)
+    value = np.asarray(var.val)
+    return value.dtype.name, value.tolist()
   return cast_constants.get(var)
 
 
-def _skeleton(jaxpr) -> Iterator[tuple]:
-  """Per checked operation of ``jaxpr`` (:func:`_checked_operations`; calls and type casts
-  left out): who runs it, its primitive, its constant operands and its outputs' dtypes; what
-  is left of a computation once its shapes are removed."""
+def _skeleton(checked: Iterable[tuple[Any, str]]) -> Iterator[tuple]:
+  """Per operation of ``checked`` (:func:`_checked_operations`; calls and type casts left
+  out): who runs it, its primitive, its constant operands and its outputs' dtypes; what is
+  left of a computation once its shapes are removed."""
   cast_constants = {}  # a constant cast to varying is still that constant
-  for eqn, who in _checked_operations(jaxpr):
+  for eqn, who in checked:
     if eqn.primitive.name in _TYPE_CASTS:
       cast_constants.update({out: _constant(var, cast_constants)
                              for var, out in zip(eqn.invars, eqn.outvars)})
     if eqn.primitive.name in _CALLS or eqn.primitive.name in _TYPE_CASTS:
       continue
-    constants = tuple(_constant(var, cast_constants) for var in eqn.invars
-                      if _constant(var, cast_constants) is not None)
+    constants = tuple(constant for constant in (_constant(var, cast_constants)
+                                                for var in eqn.invars) if constant is not None)
     yield (who, eqn.primitive.name, constants,
            tuple(str(getattr(var.aval, "dtype", "")) for var in eqn.outvars))
 
