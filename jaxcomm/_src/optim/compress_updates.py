@@ -124,9 +124,10 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   replicated path compresses) and the output is this device's shard of the mean, with the
   zero padding of flat shards kept exactly 0. It equals the replicated form to float rounding
   (tested for ``None``, sign and top-k with AdamW) when ``inner`` is elementwise, which
-  ``data_parallel``'s ``init`` checks (:func:`jaxcomm.optim.hsdp.check_shardable`): an ``inner`` that combines
-  elements (``optax.clip_by_global_norm``, LAMB, ``optax.add_noise``) or looks at a leaf's
-  rank or shape (a weight-decay mask by rank) is a ``ValueError`` there, as are a
+  ``data_parallel``'s ``init`` checks (:func:`jaxcomm.optim.hsdp.check_shardable`; ``inner``
+  runs as :func:`jaxcomm.optim.hsdp.user_optimizer`): an ``inner`` that combines elements
+  (``optax.clip_by_global_norm``, LAMB, ``optax.add_noise``) or looks at a leaf's rank or
+  shape (a weight-decay mask by rank) is a ``ValueError`` there, as are a
   ``fast_axis`` other than the sharded axis and ``host_variance=True`` (each device's own
   gradient is never formed). A skipped step is skipped as replicated.
 

@@ -252,6 +252,8 @@ def sharded_leaves() -> ShardedLeaves | None:
 
 
 def _scoped(tx: optax.GradientTransformation, scope: str) -> optax.GradientTransformation:
+  """``tx`` with its ``update`` in the name scope ``scope`` (extra arguments kept)."""
+
   def update(updates, state, params=None, **extra_args):
     with jax.named_scope(scope):
       return tx.update(updates, state, params, **extra_args)
@@ -381,8 +383,8 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
     non-finite check): the gradients are already reduce-scattered there and shards differ
     across it, so averaging them (``jaxcomm.dgc`` without ``fast_axis``, a pmean over every
     axis) would be wrong;
-  * no operation (:func:`_mixing_shape`) that combines a shard's elements computes on
-    the shard alone (``optax.clip_by_global_norm``'s norm, LAMB's trust ratio, noise);
+  * no operation that combines a shard's elements (:func:`_mixing_shape`): it would compute
+    on the shard alone (``optax.clip_by_global_norm``'s norm, LAMB's trust ratio, noise);
   * the same operations on shards as on the full leaves (:func:`_skeleton`): logic that looks
     at a leaf's rank or shape (a weight-decay mask by rank) would take another branch on
     flat shards;
@@ -475,7 +477,8 @@ def _check_same_operations(tx: optax.GradientTransformation, checked: list, shar
   on_shards_ops = collections.Counter(_skeleton(checked))
   replicated_ops = collections.Counter(_skeleton(_checked_operations(traced[0])))
   if on_shards_ops != replicated_ops:
-    who, name, _, _ = min((on_shards_ops - replicated_ops) or (replicated_ops - on_shards_ops))
+    who, name, _, _ = min((on_shards_ops - replicated_ops) or (replicated_ops - on_shards_ops),
+                          key=repr)
     raise ValueError(
         f"shard_over={layout.axis!r}: {who} runs other operations on flat 1/G shards than on "
         f"the full leaves (e.g. {name} a different number of times): logic that looks at a "
