@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import optax
 
 from jaxcomm._src.compress.base import Compressor
+from jaxcomm._src.optim import hsdp
 from jaxcomm._src.optim.compressed_allreduce import compressed_allreduce
 from jaxcomm._src.mesh_axes import manual_axes
 from jaxcomm._src.validation import check_float, check_int_range, check_unit_interval
@@ -274,4 +275,4 @@ def adaptive_allreduce(compressors: Sequence[Compressor], controller: Controller
     return mean, AdaptiveState(allreduce=allreduce_state, controller=controller_state,
                                level=level, level_steps=state.level_steps.at[level].add(1))
 
-  return optax.GradientTransformationExtraArgs(init, update)
+  return hsdp.shard_aware(optax.GradientTransformationExtraArgs(init, update))

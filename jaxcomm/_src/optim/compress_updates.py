@@ -124,9 +124,10 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   replicated path compresses) and the output is this device's shard of the mean, with the
   zero padding of flat shards kept exactly 0. It equals the replicated form to float rounding
   (tested for ``None``, sign and top-k with AdamW) when ``inner`` is elementwise, which
-  ``init`` checks (:func:`jaxcomm.optim.hsdp.check_elementwise`): an ``inner`` that combines
-  elements (``optax.clip_by_global_norm``, LAMB, ``optax.add_noise``) or looks at a leaf's
-  rank or shape (a weight-decay mask by rank) is a ``ValueError`` there, as are a
+  ``data_parallel``'s ``init`` checks (:func:`jaxcomm.optim.hsdp.check_shardable`; ``inner``
+  runs as :func:`jaxcomm.optim.hsdp.user_optimizer`): an ``inner`` that combines elements
+  (``optax.clip_by_global_norm``, LAMB, ``optax.add_noise``) or looks at a leaf's rank or
+  shape (a weight-decay mask by rank) is a ``ValueError`` there, as are a
   ``fast_axis`` other than the sharded axis and ``host_variance=True`` (each device's own
   gradient is never formed). A skipped step is skipped as replicated.
 
@@ -189,6 +190,7 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
   if isinstance(compressor, Compressor) and compressor.needs_matrix:
     raise ValueError(f"compressor={compressor.name} compresses whole matrices: "
                      "compress_updates takes flat-shard compressors (top-k, sign, ...).")
+  inner = hsdp.user_optimizer(inner, "compress_updates.inner")
   allreduce = compressed_allreduce(compressor, feedback=feedback, fast_axis=fast_axis,
                                    slow_axis=slow_axis, **allreduce_options)
   axes = (slow_axis, fast_axis)
@@ -202,7 +204,6 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
         raise ValueError(f"compress_updates.init: under shard_over it takes every parameter "
                          f"leaf ({len(shards.shapes)}), got {len(jax.tree.leaves(params))}: do "
                          "not wrap it in optax.masked or optax.multi_transform.")
-      hsdp.check_elementwise(inner, params, shards.shapes, "compress_updates.init")
     state = inner.init(_at_least_1d(params))
     # The moments will differ between hosts: device-local from the start (no data moves).
     state = jax.tree.map(lambda leaf: vary(leaf, every) if leaf.ndim else leaf, state)
@@ -228,4 +229,4 @@ def compress_updates(inner: optax.GradientTransformation, compressor: Compressor
                                state.inner)
     return mean, CompressUpdatesState(inner=inner_state, allreduce=allreduce_state)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))

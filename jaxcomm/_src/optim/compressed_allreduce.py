@@ -18,6 +18,7 @@ from jaxcomm._src.collectives.hierarchical import (Level, check_levels, gather_b
 from jaxcomm._src.collectives.strategies import (Strategy, TwoPhaseState, as_strategy,
                                                    check_strategy)
 from jaxcomm._src.compress.base import Compressor
+from jaxcomm._src.optim import hsdp
 from jaxcomm._src.validation import check_dtype, check_float_tree
 from jaxcomm._src.compress.error_feedback import (ErrorFeedbackState, EstimateFeedbackState,
                                                   error_feedback, estimate_feedback)
@@ -415,4 +416,4 @@ def compressed_allreduce(
         means[leaf_index] = leaf_mean
     return treedef.unflatten(means), new_state
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))

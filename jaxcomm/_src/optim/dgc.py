@@ -147,7 +147,7 @@ def dgc(density: float = 0.001, *, momentum: float = 0.9,
         momentum=treedef.unflatten(u), velocity=treedef.unflatten(v),
         server_residual=tuple(server), count=state.count + 1)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))
 
 
 class _Topology(NamedTuple):

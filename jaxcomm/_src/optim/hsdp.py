@@ -19,16 +19,18 @@ Parameter Models", SC 2020; hybrid sharding: Zhao et al., "PyTorch FSDP", VLDB 2
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec
 
 from jaxcomm._src.collectives.hierarchical import prescattered
 from jaxcomm._src.collectives.powersgd import PowerSGDLeafState
@@ -49,9 +51,14 @@ _NEEDS_SHAPE = {"FactoredState": "optax.adafactor, whose factored second moments
                                  "matrix, which flat shards lose",
                 "LeafAllReduceState": "a whole-leaf matrix compressor (e.g. gradzip), whose "
                                       "basis needs the matrix, which flat shards lose"}
-# Collectives over the sharded axis that shard-aware code declares by this name scope (PowerSGD's
-# column-block products); check_shardable allows them.
+# The name scope of code that computes exactly on shards (shard_aware): its collectives over the
+# sharded axis (PowerSGD's column-block products) and its operations that combine a shard's
+# elements (a compressor's norm or top-k, which the replicated path computes on the same shard
+# after its reduce-scatter). check_shardable allows both there.
 SHARD_AWARE_SCOPE = "hsdp_shard_aware"
+# The name scope (a prefix, then the optimizer's role) of a user's optimizer called from
+# shard-aware code (user_optimizer): check_shardable checks it as it checks a plain chain.
+USER_SCOPE = "hsdp_user."
 _SHARDED_LEAVES: contextvars.ContextVar = contextvars.ContextVar("jaxcomm_hsdp_leaves",
                                                                 default=None)
 
@@ -244,6 +251,37 @@ def sharded_leaves() -> ShardedLeaves | None:
   return _SHARDED_LEAVES.get()
 
 
+def _scoped(tx: optax.GradientTransformation, scope: str) -> optax.GradientTransformation:
+  """``tx`` with its ``update`` in the name scope ``scope`` (extra arguments kept)."""
+
+  def update(updates, state, params=None, **extra_args):
+    with jax.named_scope(scope):
+      return tx.update(updates, state, params, **extra_args)
+
+  if isinstance(tx, optax.GradientTransformationExtraArgs):
+    return optax.GradientTransformationExtraArgs(tx.init, update)
+  return optax.GradientTransformation(tx.init, lambda u, s, p=None: update(u, s, p))
+
+
+def shard_aware(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """``tx`` declared exact on shards: its ``update`` runs in the name scope
+  :data:`SHARD_AWARE_SCOPE`, where :func:`check_shardable` allows collectives over the sharded
+  axis and operations that combine elements of a shard. For jaxcomm's own transformations
+  whose shard-aware paths compute on each ``1/G`` shard what the replicated path computes on
+  it (:func:`jaxcomm.compressed_allreduce` after its reduce-scatter, the periodic engine's
+  synchronization, ...). An optimizer they take from the user goes through
+  :func:`user_optimizer`."""
+  return _scoped(tx, SHARD_AWARE_SCOPE)
+
+
+def user_optimizer(tx: optax.GradientTransformation, role: str) -> optax.GradientTransformation:
+  """``tx``, a user's optimizer that shard-aware code calls (e.g. DiLoCo's inner optimizer),
+  with its ``update`` in a name scope that ends the enclosing :func:`shard_aware` region:
+  :func:`check_shardable` checks it as it checks a plain chain, naming it by ``role``
+  (e.g. ``'compress_updates.inner'``)."""
+  return _scoped(tx, USER_SCOPE + role)
+
+
 @contextlib.contextmanager
 def _sharded(layout: ShardLayout) -> Iterator[None]:
   axis = layout.axis
@@ -297,8 +335,10 @@ def on_shards(tx: optax.GradientTransformation,
 
   def update(grads, state, params=None):
     group = jax.lax.axis_size(axis)
+    with jax.named_scope(SHARD_AWARE_SCOPE):
+      grads = jax.tree.map(lambda g: g / group, grads)
     with _sharded(layout):
-      return tx.update(jax.tree.map(lambda g: g / group, grads), state, params)
+      return tx.update(grads, state, params)
 
   return optax.GradientTransformation(init, update)
 
@@ -310,41 +350,53 @@ def init_sharded(tx: optax.GradientTransformation, params, specs, mesh: Mesh, ax
   shards, layout = shard_params(params, mesh, axis, leaf_dims(params, specs, mesh, axis))
   if keeps_per_host_params(tx, shards, mesh, layout):
     shards, layout = per_host_params(shards, layout, mesh)
-  opt_state, _ = init_on_shards(on_shards(tx, layout), shards, mesh, layout)
+  opt_state, _ = init_on_shards(tx, shards, mesh, layout)
   return shards, opt_state, layout
 
 
 def init_on_shards(tx: optax.GradientTransformation, shards, mesh: Mesh, layout: ShardLayout):
-  """``(opt_state, specs)`` of ``tx`` (made with :func:`on_shards`) on ``shards``, after
+  """``(opt_state, specs)`` of ``on_shards(tx, layout)`` on ``shards``, after
   :func:`check_shardable`; a ``tx.init`` that cannot trace on shards is a ``ValueError``."""
   axis, params_specs = layout.axis, layout_specs(shards, layout)
   try:
-    opt_state, specs = sharded_init(tx, shards, mesh, params_specs)
+    opt_state, specs = sharded_init(on_shards(tx, layout), shards, mesh, params_specs)
   except (TypeError, ValueError) as error:
     raise ValueError(
         f"shard_over={axis!r}: tx.init fails on flat parameter shards (different on each "
         f"device of {axis!r}, replicated over the other axes, or per host for the algorithms "
         f"that keep one model per worker): {error} Use shard_over=None.") from error
-  check_shardable(tx, shards, opt_state, specs, mesh, axis, params_specs,
-                  per_host=bool(layout.per_host))
+  check_shardable(tx, shards, opt_state, specs, mesh, layout)
   return opt_state, specs
 
 
 def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_specs,
-                    mesh: Mesh, axis: str, params_specs, per_host: bool = False) -> None:
-  """Refuses a ``tx`` (made with :func:`on_shards`) that cannot run exactly on flat shards.
+                    mesh: Mesh, layout: ShardLayout) -> None:
+  """Refuses a ``tx`` that cannot run exactly on the shards of ``layout``.
 
-  Three checks: no state node of a transformation that needs the leaf's shape (adafactor,
-  PowerSGD); and, traced on abstract values, ``tx.update`` sends no array over ``axis``
-  (only scalar agreements such as the non-finite check): its fast level is the
-  reduce-scatter already done, and shards differ across ``axis``, so averaging them there
-  (e.g. ``jaxcomm.dgc`` or a pmean over every axis) would be wrong; and its updates are the
-  same on every host, as the replicated shards need, unless ``per_host`` (the parameters
-  are per-host, :func:`per_host_params`: local SGD, DiLoCo, SlowMo, BMUF, FedAvg, 0/1 Adam).
+  ``on_shards(tx, layout).update`` is traced on abstract values (nothing is computed), and so
+  is ``tx.update`` as the replicated step runs it, on the full leaves (at least 1-D). Outside
+  the regions that jaxcomm's transformations declare exact (:func:`shard_aware`; a user's
+  optimizer inside them, :func:`user_optimizer`, is checked again), checked are:
+
+  * no state node of a transformation that needs the leaf's shape (adafactor, gradzip);
+  * no collective sends an array over ``layout.axis`` (only scalar agreements such as the
+    non-finite check): the gradients are already reduce-scattered there and shards differ
+    across it, so averaging them (``jaxcomm.dgc`` without ``fast_axis``, a pmean over every
+    axis) would be wrong;
+  * no operation that combines a shard's elements (:func:`_mixing_shape`): it would compute
+    on the shard alone (``optax.clip_by_global_norm``'s norm, LAMB's trust ratio, noise);
+  * the same operations on shards as on the full leaves (:func:`_skeleton`): logic that looks
+    at a leaf's rank or shape (a weight-decay mask by rank) would take another branch on
+    flat shards;
+  * the updates are the same on every host, as the replicated shards need, unless the
+    parameters are per host (``layout.per_host``, :func:`per_host_params`: local SGD, DiLoCo,
+    SlowMo, BMUF, FedAvg, 0/1 Adam).
 
   Raises:
-    ValueError: naming the transformation or the collective, its axes and its operand.
+    ValueError: naming the transformation, collective or operation, its axes or its
+      operand's shape, and what to use instead.
   """
+  axis, per_host = layout.axis, bool(layout.per_host)
   nodes = jax.tree.leaves(opt_state, is_leaf=lambda n: type(n).__name__ in _NEEDS_SHAPE)
   for node in nodes:
     if type(node).__name__ in _NEEDS_SHAPE:
@@ -357,22 +409,37 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
 
   def probe(shards, opt_state):
     grads = shards if per_host else vary_tree(shards, others)
-    updates = tx.update(grads, opt_state, shards)[0]
+    updates = on_shards(tx, layout).update(grads, opt_state, shards)[0]
     differing.extend(set(others) & set(jax.typeof(leaf).mat.varying)
                      for leaf in jax.tree.leaves(updates))
     return ()
 
-  jaxpr = jax.make_jaxpr(jax.shard_map(probe, mesh=mesh, in_specs=(params_specs, state_specs),
-                                       out_specs=()))(shards, opt_state)
-  for primitive, axes, shape, scope in _collectives(jaxpr.jaxpr):
-    if axis in axes and any(dim != 1 for dim in shape) and SHARD_AWARE_SCOPE not in scope:
+  jaxpr = jax.make_jaxpr(jax.shard_map(
+      probe, mesh=mesh, in_specs=(layout_specs(shards, layout), state_specs),
+      out_specs=()))(shards, opt_state).jaxpr
+  checked = list(_checked_operations(jaxpr))
+  for eqn, who in checked:
+    collective = _collective(eqn)
+    if collective and axis in collective[0] and any(dim != 1 for dim in collective[1]):
       raise ValueError(
-          f"shard_over={axis!r}: tx.update runs {primitive} over {axes} on an array of shape "
-          f"{shape}, but under sharded data parallelism the gradients are already "
-          f"reduce-scattered over {axis!r} and each device holds a different shard, so tx may "
-          f"only communicate over {others}. Transformations that average over every axis "
-          "themselves (jaxcomm.dgc, powersgd_allreduce, a pmean over all axes) cannot run on "
-          "shards: use jaxcomm.compressed_allreduce(...) or shard_over=None.")
+          f"shard_over={axis!r}: {who} runs {eqn.primitive.name} over {collective[0]} on an "
+          f"array of shape {collective[1]}, but under sharded data parallelism the gradients "
+          f"are already reduce-scattered over {axis!r} and each device holds a different "
+          f"shard, so tx may only communicate over {others}. Transformations that average over "
+          "every axis themselves (jaxcomm.dgc, powersgd_allreduce, a pmean over all axes) "
+          "cannot run on shards: use jaxcomm.compressed_allreduce(...) or shard_over=None.")
+  mixing = [(_mixing_shape(eqn), eqn, who) for eqn, who in checked]
+  mixing = [entry for entry in mixing if entry[0]]
+  if mixing:  # the largest operand names the culprit best (not a key split, say)
+    shape, eqn, who = max(mixing, key=lambda entry: math.prod(entry[0]))
+    raise ValueError(
+        f"shard_over={axis!r}: {who} runs {eqn.primitive.name} on an array of shape {shape}, "
+        "which combines different elements (e.g. optax.clip_by_global_norm's norm, LAMB's "
+        "per-leaf trust ratio, optax.add_noise's draws); under shard_over each device holds "
+        "only its 1/G shard of every leaf, so it would compute on the shard alone. Use "
+        "elementwise optimizers there (optax.adamw, sgd, lion, ...; jaxcomm's own "
+        "transformations declare their exact parts), or shard_over=None.")
+  _check_same_operations(tx, checked, shards, mesh, layout)
   if any(differing) and not per_host:
     raise ValueError(
         f"shard_over={axis!r}: tx.update returns updates that differ across mesh axes "
@@ -384,6 +451,42 @@ def check_shardable(tx: optax.GradientTransformation, shards, opt_state, state_s
         "jaxcomm.compressed_allreduce(...) first in the chain, or use shard_over=None.")
 
 
+def _check_same_operations(tx: optax.GradientTransformation, checked: list, shards,
+                           mesh: Mesh, layout: ShardLayout) -> None:
+  """Refuses a ``tx`` whose operations on shards (``checked``, from
+  :func:`_checked_operations`) are not those of ``tx.update`` on the full leaves (at least 1-D) as
+  the replicated step runs it: inside ``shard_map`` over ``mesh``, every device's gradient its
+  own; with per-host parameters, over ``mesh`` with one device per host, each its own worker
+  (the hosts-as-workers run the sharded one equals)."""
+  every = tuple(mesh.axis_names)
+  sizes = [1 if layout.per_host and name == layout.axis else mesh.shape[name] for name in every]
+  replicated_mesh = AbstractMesh(tuple(sizes), every, axis_types=(AxisType.Explicit,) * len(every))
+  full = [jax.ShapeDtypeStruct(shape or (1,), leaf.dtype)
+          for shape, leaf in zip(layout.shapes, jax.tree.leaves(shards))]
+  full = jax.tree.unflatten(jax.tree.structure(shards), full)
+  traced = []
+
+  def probe(params):
+    params = vary_tree(params, every) if layout.per_host else params
+    state, grads = tx.init(params), vary_tree(params, every)
+    traced.append(jax.make_jaxpr(lambda s: tx.update(grads, s, params))(state).jaxpr)
+    return ()
+
+  jax.eval_shape(jax.shard_map(probe, mesh=replicated_mesh, in_specs=(PartitionSpec(),),
+                               out_specs=()), full)
+  on_shards_ops = collections.Counter(_skeleton(checked))
+  replicated_ops = collections.Counter(_skeleton(_checked_operations(traced[0])))
+  if on_shards_ops != replicated_ops:
+    who, name, _, _ = min((on_shards_ops - replicated_ops) or (replicated_ops - on_shards_ops),
+                          key=repr)
+    raise ValueError(
+        f"shard_over={layout.axis!r}: {who} runs other operations on flat 1/G shards than on "
+        f"the full leaves (e.g. {name} a different number of times): logic that looks at a "
+        "leaf's rank or shape (a weight-decay mask by rank, an optimizer that treats matrices "
+        "differently) would silently take the other branch on the shards. Pass masks by "
+        "parameter name, or use shard_over=None.")
+
+
 def _sub_jaxprs(eqn) -> Iterator:
   """The jaxprs nested in ``eqn`` (a call's body, a conditional's branches, a loop's body)."""
   for value in eqn.params.values():
@@ -393,19 +496,39 @@ def _sub_jaxprs(eqn) -> Iterator:
         yield inner
 
 
-def _collectives(jaxpr):
-  """``(primitive, axes, operand shape, name scope)`` of every collective in ``jaxpr``, nested
-  ones too."""
+def _operations(jaxpr, scope: str = "") -> Iterator[tuple[Any, str]]:
+  """``(eqn, name scope)`` of every operation in ``jaxpr``, nested ones too (a nested
+  jaxpr's name stack is relative to its caller's, which is prepended)."""
   for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in _COLLECTIVES:
-      axes = eqn.params.get(_COLLECTIVES[name])
-      axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-      for var in eqn.invars:
-        yield (name, axes, tuple(getattr(var.aval, "shape", ())),
-               str(eqn.source_info.name_stack))
+    here = "/".join(name for name in (scope, str(eqn.source_info.name_stack)) if name)
+    yield eqn, here
     for inner in _sub_jaxprs(eqn):
-      yield from _collectives(inner)
+      yield from _operations(inner, here)
+
+
+def _checked_operations(jaxpr) -> Iterator[tuple[Any, str]]:
+  """``(eqn, who)`` of the operations of ``jaxpr`` outside exact regions, ``who`` naming
+  their code (``'tx'``, or a :func:`user_optimizer`'s role): the innermost of the scopes
+  :data:`SHARD_AWARE_SCOPE` and :data:`USER_SCOPE` decides."""
+  for eqn, scope in _operations(jaxpr):
+    who = "tx"
+    for name in reversed(scope.split("/")):
+      if name == SHARD_AWARE_SCOPE or name.startswith(USER_SCOPE):
+        who = None if name == SHARD_AWARE_SCOPE else name[len(USER_SCOPE):]
+        break
+    if who is not None:
+      yield eqn, who
+
+
+def _collective(eqn) -> tuple[tuple, tuple] | None:
+  """``(axes, operand shape)`` of a collective ``eqn`` (its largest operand), else ``None``."""
+  name = eqn.primitive.name
+  if name not in _COLLECTIVES:
+    return None
+  axes = eqn.params.get(_COLLECTIVES[name])
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  shapes = [tuple(getattr(var.aval, "shape", ())) for var in eqn.invars]
+  return axes, max(shapes, key=math.prod, default=())
 
 
 # Primitives that compute each output element from the same element of every array operand
@@ -419,85 +542,56 @@ _ELEMENTWISE = frozenset({
     "round", "rsqrt", "select_n", "sign", "sin", "sinh", "sqrt", "square", "squeeze", "sub",
     "tan", "tanh", "xor"})
 # Primitives whose nested jaxprs decide instead: calls and custom derivatives (operands
-# passed through), conditionals on a scalar index, loops over a carry.
+# passed through), conditionals on a scalar index, loops over a carry, shard_map's body.
 _CALLS = frozenset({"jit", "pjit", "closed_call", "core_call", "custom_jvp_call",
                     "custom_vjp_call", "custom_vjp_call_jaxpr", "remat", "checkpoint", "cond",
-                    "while"})
+                    "while", "shard_map"})
+# Primitives that change only how shard_map types a value (varying over which axes).
+_TYPE_CASTS = frozenset({"pvary", "pcast"})
 
 
-def mixing_operations(jaxpr) -> Iterator[tuple[str, tuple]]:
-  """``(primitive, shape)`` of every operation in ``jaxpr`` (nested ones too) that may combine
-  different elements of an array of rank >= 1: anything but elementwise arithmetic, reshapes
-  and broadcasts of scalars (a reduction, a sort, a slice, ``iota``, random bits).
+def _mixing_shape(eqn) -> tuple:
+  """The shape of an array of rank >= 1 whose elements ``eqn`` may combine, or ``()``:
+  anything but elementwise arithmetic, reshapes, broadcasts of scalars and shard_map's type
+  casts (a reduction, a sort, a slice, ``iota``, random bits) on an array of rank >= 1.
 
-  A transformation without one is exact on flat zero-padded shards: each element of its
-  output depends on the same element of the gradient, state and parameters only. With one,
-  it would compute on this device's shard alone (``optax.clip_by_global_norm``'s norm,
-  LAMB's per-leaf trust ratio, ``optax.add_noise``'s draws). Rank, not size, decides, so a
-  one-element shard is caught too; operations on scalars (step counts, schedules) pass.
+  Without one, a computation is exact on flat zero-padded shards: each element of its output
+  depends on the same element of the gradient, state and parameters only. Rank, not size,
+  decides, so a one-element shard is caught too; operations on scalars (step counts,
+  schedules) pass. Calls and conditionals are judged by their nested operations.
   """
-  for eqn in jaxpr.eqns:
-    name = eqn.primitive.name
-    if name in _CALLS:
-      for inner in _sub_jaxprs(eqn):
-        yield from mixing_operations(inner)
-      continue
-    arrays = eqn.invars[:1] if name == "broadcast_in_dim" else [*eqn.invars, *eqn.outvars]
-    shapes = [tuple(var.aval.shape) for var in arrays if hasattr(var.aval, "shape")]
-    if name not in _ELEMENTWISE and any(shape for shape in shapes):
-      yield name, next(shape for shape in shapes if shape)
+  name = eqn.primitive.name
+  if name in _ELEMENTWISE or name in _CALLS or name in _TYPE_CASTS:
+    return ()
+  arrays = eqn.invars[:1] if name == "broadcast_in_dim" else [*eqn.invars, *eqn.outvars]
+  shapes = [tuple(var.aval.shape) for var in arrays if getattr(var.aval, "shape", ())]
+  return max(shapes, key=math.prod, default=())
 
 
-def _skeleton(jaxpr) -> Iterator[tuple]:
-  """Per operation of ``jaxpr`` (calls flattened): its primitive, its constant operands and
-  its outputs' dtypes; what is left of a computation once its shapes are removed."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _CALLS:
-      for inner in _sub_jaxprs(eqn):
-        yield from _skeleton(inner)
+def _constant(var, cast_constants: dict) -> tuple | None:
+  """``(dtype, value)`` of the constant ``var`` is (a literal, a scalar, or one cast by
+  shard_map), else ``None``."""
+  if hasattr(var, "val"):
+    value = np.asarray(var.val)
+    return value.dtype.name, value.tolist()
+  return cast_constants.get(var)
+
+
+def _skeleton(checked: Iterable[tuple[Any, str]]) -> Iterator[tuple]:
+  """Per operation of ``checked`` (:func:`_checked_operations`; calls and type casts left
+  out): who runs it, its primitive, its constant operands and its outputs' dtypes; what is
+  left of a computation once its shapes are removed."""
+  cast_constants = {}  # a constant cast to varying is still that constant
+  for eqn, who in checked:
+    if eqn.primitive.name in _TYPE_CASTS:
+      cast_constants.update({out: _constant(var, cast_constants)
+                             for var, out in zip(eqn.invars, eqn.outvars)})
+    if eqn.primitive.name in _CALLS or eqn.primitive.name in _TYPE_CASTS:
       continue
-    constants = tuple(repr(var.val) for var in eqn.invars if hasattr(var, "val"))
-    yield (eqn.primitive.name, constants,
+    constants = tuple(constant for constant in (_constant(var, cast_constants)
+                                                for var in eqn.invars) if constant is not None)
+    yield (who, eqn.primitive.name, constants,
            tuple(str(getattr(var.aval, "dtype", "")) for var in eqn.outvars))
-
-
-def check_elementwise(tx: optax.GradientTransformation, shards, shapes: tuple,
-                      caller: str) -> None:
-  """Refuses a ``tx`` that is not exact on flat shards: its ``init`` and ``update`` must be
-  elementwise (no :func:`mixing_operations`) on the full leaves and on the shards, and run
-  the same operations on both.
-
-  Both are traced on abstract leaves (nothing is computed): with the full ``shapes`` (made
-  at least 1-D) and with ``shards``' shapes. The second comparison catches logic that looks
-  at a leaf's rank or shape (a weight-decay mask by rank, an optimizer that treats matrices
-  differently such as Muon): on 1-D shards it would silently take the other branch.
-
-  Raises:
-    ValueError: naming ``caller``, the operation and its operand's shape.
-  """
-  leaves, treedef = jax.tree.flatten(shards)
-
-  def traced(leaf_shapes):
-    params = treedef.unflatten([jax.ShapeDtypeStruct(shape, leaf.dtype)
-                                for shape, leaf in zip(leaf_shapes, leaves)])
-    return jax.make_jaxpr(lambda p: tx.update(p, tx.init(p), p))(params).jaxpr
-
-  full = traced([shape or (1,) for shape in shapes])
-  on_shards = traced([leaf.shape for leaf in leaves])
-  for jaxpr, where in ((full, "the full leaves"), (on_shards, "1/G shards")):
-    for primitive, shape in mixing_operations(jaxpr):
-      raise ValueError(
-          f"{caller}: inner runs {primitive} on an array of shape {shape} of "
-          f"{where}, which combines different elements (e.g. optax.clip_by_global_norm's "
-          "norm, a per-leaf trust ratio, random noise); under shard_over each device holds "
-          "only its 1/G shard of every leaf, so it would compute on the shard alone. Use an "
-          "elementwise inner optimizer (optax.adamw, sgd, lion, ...) or shard_over=None.")
-  if list(_skeleton(full)) != list(_skeleton(on_shards)):
-    raise ValueError(
-        f"{caller}: inner runs other operations on flat 1/G shards than on the full leaves "
-        "(logic that looks at a leaf's rank or shape, e.g. a weight-decay mask by rank): "
-        "under shard_over it would silently take the other branch. Pass masks by name, or "
-        "use shard_over=None.")
 
 
 def column_blocks(shape: tuple, group: int, rank: int, min_compression_rate: float) -> int:

@@ -14,6 +14,7 @@ import optax
 from jaxcomm._src.mesh_axes import require_axes
 from jaxcomm._src.nonfinite import (any_nonfinite, check_nonfinite_mode, keep_if, zero_if,
                                     zero_nonfinite)
+from jaxcomm._src.optim import hsdp
 
 
 def with_nonfinite_policy(inner: optax.GradientTransformation, mode: str,
@@ -63,6 +64,8 @@ def skip_nonfinite(inner: optax.GradientTransformation,
   if not axes or not all(isinstance(axis, str) and axis for axis in axes):
     raise TypeError(f"axes must be a non-empty sequence of mesh axis names, got {axes!r}.")
 
+  inner = hsdp.user_optimizer(inner, "skip_nonfinite.inner")
+
   def init(params) -> SkipNonFiniteState:
     return SkipNonFiniteState(inner=inner.init(params), skipped_steps=jnp.zeros((), jnp.int32))
 
@@ -74,4 +77,4 @@ def skip_nonfinite(inner: optax.GradientTransformation,
         inner=keep_if(skip, state.inner, inner_state),
         skipped_steps=state.skipped_steps + skip.astype(jnp.int32))
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))

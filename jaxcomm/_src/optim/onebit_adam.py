@@ -15,6 +15,7 @@ from jaxcomm._src.collectives.hierarchical import hierarchical_allreduce, init_s
 from jaxcomm._src.collectives.strategies import Strategy, TwoPhase
 from jaxcomm._src.compress.sign import sign
 from jaxcomm._src.keys import unread_key
+from jaxcomm._src.optim import hsdp
 from jaxcomm._src.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm._src.validation import (check_float, check_float_tree, check_int_range, check_learning_rate,
                                      check_unit_interval)
@@ -160,4 +161,4 @@ def onebit_adam(learning_rate: optax.ScalarOrSchedule, *, warmup_steps: int, b1:
         count=count, mu=treedef.unflatten(new_mu), nu=treedef.unflatten(new_nu),
         residuals=residuals)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))

@@ -133,7 +133,12 @@ def periodic_averaging(inner: optax.GradientTransformation,
   mixing = check_period(period, fragments, delay, mixing, warmup_steps)
   proximal = check_float("proximal", proximal, minimum=0.0, inclusive=True)
   seed = check_seed("seed", seed)
-  plan = _Plan(outer=outer, sync=compressed_allreduce() if sync is None else sync,
+  # The user's optimizers run on the shards as they are: check_shardable checks them.
+  inner = hsdp.user_optimizer(inner, "periodic_averaging.inner")
+  outer = hsdp.user_optimizer(outer, "periodic_averaging.outer")
+  sync = hsdp.user_optimizer(compressed_allreduce() if sync is None else sync,
+                             "periodic_averaging.sync")
+  plan = _Plan(outer=outer, sync=sync,
                period=period, fragments=fragments, delay=delay, mixing=mixing,
                warmup_steps=warmup_steps, client_weight=client_weight)
 
@@ -163,7 +168,7 @@ def periodic_averaging(inner: optax.GradientTransformation,
                                   outer=outer_states, sync=sync_states, key=key,
                                   count=state.count + 1)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))
 
 
 class _Plan(NamedTuple):

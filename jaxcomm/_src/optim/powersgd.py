@@ -125,7 +125,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
     means = [out.astype(g.dtype) for out, g in zip(outputs, leaves)]
     return treedef.unflatten(means), PowerSGDAllReduceState(tuple(states), state.count + 1)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))
 
 
 def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:

@@ -265,8 +265,8 @@ def fast_mean(fast_axis: str) -> optax.GradientTransformation:
     check_float_tree(params, "params")
     return optax.EmptyState()
 
-  return optax.GradientTransformation(
-      init, lambda grads, state, params=None: (mean(grads), state))
+  return hsdp.shard_aware(optax.GradientTransformation(
+      init, lambda grads, state, params=None: (mean(grads), state)))
 
 
 def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: str,
@@ -313,7 +313,7 @@ def sparse_sync(density: float, bits: int, beta: float, chunk: int, fast_axis: s
     return (treedef.unflatten([mean for mean, _ in results]),
             SparseLoCoSyncState(error=treedef.unflatten([e for _, e in results])))
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))
 
 
 def sparseloco(inner: optax.GradientTransformation, period: int, *,

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from jaxcomm._src.optim import hsdp
 from jaxcomm._src.validation import check_float, check_int_range
 
 SCALINGS = ("none", "linear", "sqrt", "exponential")
@@ -103,4 +104,4 @@ def staleness(tau: int, *, scaling: str = "none", base: float = 0.9,
     updates = jax.tree.map(lambda g: g * scale, stale) if scale != 1.0 else stale
     return updates, StalenessState(*buffers, count=state.count + 1)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))

@@ -22,6 +22,7 @@ from jaxcomm._src.collectives.hierarchical import init_states
 from jaxcomm._src.collectives.strategies import Strategy, TwoPhase
 from jaxcomm._src.keys import unread_key
 from jaxcomm._src.mesh_axes import first_invariant, require_axes, require_varying, vary
+from jaxcomm._src.optim import hsdp
 from jaxcomm._src.optim.onebit_adam import adam_setup, allreduce_leaves
 from jaxcomm._src.topology import HOST_AXIS, LOCAL_AXIS
 from jaxcomm._src.validation import check_float_tree, check_int_range, check_learning_rate
@@ -196,7 +197,7 @@ def zero_one_adam(learning_rate: optax.ScalarOrSchedule, *, var_freeze_step: int
                                 state.next_var_step),
         steps_per_kind=state.steps_per_kind.at[kind].add(1), residuals=residuals)
 
-  return optax.GradientTransformation(init, update)
+  return hsdp.shard_aware(optax.GradientTransformation(init, update))
 
 
 class _Hyper(NamedTuple):
