@@ -5,6 +5,8 @@ functions), run on the CPU: the same values, sets and order as the CPU's.
 replace ``backends.by_platform`` with one that always takes the accelerator's.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +39,17 @@ def test_accelerator_kth_is_the_cpu_kth(rows, size, share, levels, empty, seed):
   if np.min(np.sum(bits >= 0, axis=1)) == 0:
     bits[:, 0] = 0
   bits = jnp.asarray(bits)
-  cpu = jax.jit(kth_largest_bits, static_argnums=1)
-  accelerator = jax.jit(accelerator_kth, static_argnums=1)
-  np.testing.assert_array_equal(accelerator(bits, k), cpu(bits, k))
-  assert int(accelerator(bits[0], k)) == int(cpu(bits[0], k))
+
+  # One compilation an example holds all four selections (the suite is compile-bound: four
+  # separate ones cost about three times as much); each is its own path's computation.
+  @jax.jit
+  def both_paths(bits):
+    return (accelerator_kth(bits, k), kth_largest_bits(bits, k),
+            accelerator_kth(bits[0], k), kth_largest_bits(bits[0], k))
+
+  accelerator, cpu, accelerator_row, cpu_row = both_paths(bits)
+  np.testing.assert_array_equal(accelerator, cpu)
+  assert accelerator_row.shape == cpu_row.shape == () and int(accelerator_row) == int(cpu_row)
 
 
 def test_accelerator_kth_of_special_patterns():
@@ -55,6 +64,21 @@ def _encodings(compressor, x):
   return jax.tree.map(np.asarray, jax.jit(compressor.encode)(x, (), KEY)[0])
 
 
+def _both_paths(compute):
+  """``compute`` jitted once with the CPU's formulation and once with the accelerators', both
+  traced into one compilation: ``(cpu, accelerator)``. By_platform is replaced while the
+  second is traced. Two ``jax.jit`` calls of one function would not do: JAX reuses the first
+  trace for the second (same function, same shapes), so the accelerators' formulation would
+  never be traced and both results would be the CPU's."""
+  @jax.jit
+  def both(*args):
+    cpu = compute(*args)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+      use_accelerator_path(monkeypatch)
+      return cpu, compute(*args)
+  return both
+
+
 @settings(max_examples=6, deadline=None, derandomize=True, database=None)
 @given(rows=st.integers(1, 2), extra=st.integers(0, 3000), density=st.floats(0.001, 0.03),
        ties=st.booleans(), seed=st.integers(0, 2**16))
@@ -66,13 +90,8 @@ def test_largest_k_selects_the_same_positions_on_both_paths(rows, extra, density
   values = jnp.asarray(values, jnp.float32)
   k = max(1, int(density * size))
 
-  def select_k(v):
-    return select.largest_k(v, k, by_magnitude=True)
-
-  cpu = np.asarray(jax.jit(select_k)(values))
-  with pytest.MonkeyPatch.context() as monkeypatch:
-    use_accelerator_path(monkeypatch)
-    np.testing.assert_array_equal(jax.jit(select_k)(values), cpu)
+  cpu, accelerator = _both_paths(lambda v: select.largest_k(v, k, by_magnitude=True))(values)
+  np.testing.assert_array_equal(accelerator, cpu)
 
 
 @pytest.mark.parametrize("compressor", [
@@ -80,15 +99,20 @@ def test_largest_k_selects_the_same_positions_on_both_paths(rows, extra, density
     threshold(1.0, capacity=0.02), adaptive_threshold(0.01, capacity=0.02)],
     ids=lambda c: c.name)
 @pytest.mark.parametrize("ties", [False, True])
-def test_compressors_send_the_same_payload_on_both_paths(compressor, ties, monkeypatch):
+def test_compressors_send_the_same_payload_on_both_paths(compressor, ties):
   # threshold(1.0) overflows its capacity: the largest of those above win the slots.
   x = np.random.default_rng(7).standard_normal(3 * MIN_FAST_SIZE + 77)
   if ties:
     x = np.round(x * 4) / 4
   x = jnp.asarray(x, jnp.float32)
-  cpu = _encodings(compressor, x)
-  use_accelerator_path(monkeypatch)
-  jax.tree.map(np.testing.assert_array_equal, _encodings(compressor, x), cpu)
+  cpu, accelerator = _encoded_on_both_paths(compressor)(x)
+  jax.tree.map(np.testing.assert_array_equal, accelerator, cpu)
+
+
+@functools.cache
+def _encoded_on_both_paths(compressor):
+  """One compilation per compressor, shared by its two inputs (with and without ties)."""
+  return _both_paths(lambda x: compressor.encode(x, (), KEY)[0])
 
 
 @pytest.mark.skipif(jax.default_backend() == "cpu", reason="needs an accelerator backend")

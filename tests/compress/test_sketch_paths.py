@@ -2,6 +2,8 @@
 once for accelerators. Both are run here on the CPU and must agree: same hashes, so the same
 table up to the order of float sums, and the same estimates from one table."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -87,14 +89,23 @@ def test_cpu_heavy_hitters_equal_the_estimates_selected_by_largest_k(size, width
   estimates, bit for bit, as the estimates selected by ``largest_k`` and masked."""
   x = np.random.default_rng(size).standard_normal(size).astype(np.float32)
   x = {"normal": x, "ties": np.round(2 * x), "zeros": 0 * x}[values]
-  compressor = count_sketch(width, depth, heavy=heavy, seed=depth)
-  payload, _ = jax.jit(lambda x, state: compressor.encode(x, state, None))(
-      jnp.asarray(x), compressor.init((size,), jnp.float32))
-  kept = max(1, int(np.floor(heavy * size)))
-  decoded = jax.jit(lambda table, key: (_heavy_in_steps(table, key, size, kept), _heavy_hitters(
-      _estimates_in_steps(table, key, size), kept)))(payload.table, payload.key)
+  compressor, encode, decode, kept = _heavy_hitter_functions(size, width, depth, heavy)
+  payload, _ = encode(jnp.asarray(x), compressor.init((size,), jnp.float32))
+  decoded = decode(payload.table, payload.key)
   np.testing.assert_array_equal(*decoded)
   assert np.count_nonzero(decoded[0]) == (0 if values == "zeros" else kept)
+
+
+@functools.cache
+def _heavy_hitter_functions(size, width, depth, heavy):
+  """``(compressor, encode, decode, kept)`` of one sketch shape, jitted once and shared by its
+  three kinds of values (the same shapes: one compilation each instead of three)."""
+  compressor = count_sketch(width, depth, heavy=heavy, seed=depth)
+  kept = max(1, int(np.floor(heavy * size)))
+  encode = jax.jit(lambda x, state: compressor.encode(x, state, None))
+  decode = jax.jit(lambda table, key: (_heavy_in_steps(table, key, size, kept), _heavy_hitters(
+      _estimates_in_steps(table, key, size), kept)))
+  return compressor, encode, decode, kept
 
 
 @pytest.mark.parametrize("size,width", [(50304, 1006), (16 * 512 + 5, 512)])
