@@ -61,9 +61,9 @@ def test_round_to_is_the_round_trip_through_the_narrow_dtype_bit_for_bit(dtype, 
 @pytest.mark.parametrize("accelerator", [False, True], ids=["cpu", "accelerator"])
 @pytest.mark.parametrize("dtype", CAST_DTYPES, ids=lambda d: jnp.dtype(d).name)
 def test_narrow_is_the_plain_conversion_bit_for_bit_on_both_paths(dtype, accelerator,
-                                                                  monkeypatch):
+                                                                  monkeypatch, request):
   if accelerator:
-    use_accelerator_path(monkeypatch)
+    use_accelerator_path(monkeypatch, request)
   x = _inputs(dtype, 0)
   narrowed = jax.jit(narrow, static_argnums=1)(x, dtype)
   plain = x.astype(dtype)
@@ -83,9 +83,10 @@ FEEDBACK_CASES = {
 
 
 @pytest.mark.parametrize("case", FEEDBACK_CASES)
-def test_feedback_keeps_what_the_receivers_decode_on_the_accelerator_path(case, monkeypatch):
+def test_feedback_keeps_what_the_receivers_decode_on_the_accelerator_path(case, monkeypatch,
+                                                                          request):
   """EF21 keeps the sum of the decoded payloads; classic EF the input less the decoded one."""
-  use_accelerator_path(monkeypatch)
+  use_accelerator_path(monkeypatch, request)
   wrap, inner = FEEDBACK_CASES[case]
   compressor = wrap(inner)
   shape = (6, 5)

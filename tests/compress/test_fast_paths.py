@@ -311,7 +311,7 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
 @pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
 @pytest.mark.parametrize("size", [5000, 3 * CODE_STEP + 1003])
-def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeypatch):
+def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeypatch, request):
   """QSGD's payload is that of the per-element formula written out, bit for bit (a division
   by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
   bucket, and the larger one, with buckets, takes the CPU's loop over steps (three and a
@@ -331,7 +331,7 @@ def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeyp
   norms = jax.jit(lambda x: jnp.linalg.norm(chunks.to_chunks(x, bucket), axis=1))(x)
   for path in ("cpu", "accelerator"):
     if path == "accelerator":
-      use_accelerator_path(monkeypatch)
+      use_accelerator_path(monkeypatch, request)
     payload, _ = jax.jit(qsgd(levels, bucket=bucket).encode)(x, (), key)
     np.testing.assert_array_equal(payload.codes, plain(x, payload.norm))
     # Over several of chunks.l2_norms' steps (code this test does not cover), the rows of its

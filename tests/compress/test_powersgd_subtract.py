@@ -34,11 +34,12 @@ def test_blocked_subtraction_is_the_plain_expression_bit_for_bit(n, m, rank, blo
 
 @pytest.mark.parametrize("accelerator", [False, True])
 @pytest.mark.parametrize("shape", [(2048, 1024), (3, 3, 300, 512)])
-def test_error_feedback_residual_is_x_minus_decode_bit_for_bit(shape, accelerator, monkeypatch):
+def test_error_feedback_residual_is_x_minus_decode_bit_for_bit(shape, accelerator, monkeypatch,
+                                                                request):
   """Above two blocks (the CPU's loop), and in the accelerators' one expression,
   ``ef(powersgd)``'s residual is ``x + e - decode``."""
   if accelerator:
-    use_accelerator_path(monkeypatch)
+    use_accelerator_path(monkeypatch, request)
   compressor = jaxcomm.error_feedback(jaxcomm.powersgd(4))
   keys = jax.random.split(jax.random.PRNGKey(0))
   x = jax.random.normal(keys[0], shape)

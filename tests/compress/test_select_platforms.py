@@ -18,7 +18,7 @@ from jaxcomm.compress import adaptive_threshold, threshold, topk
 from jaxcomm._src.compress import select
 from jaxcomm._src.compress.select import MIN_FAST_SIZE, accelerator_kth, kth_largest_bits
 
-from platform_paths import use_accelerator_path
+from platform_paths import patch_accelerator_path
 
 KEY = jax.random.PRNGKey(5)
 
@@ -74,7 +74,7 @@ def _both_paths(compute):
   def both(*args):
     cpu = compute(*args)
     with pytest.MonkeyPatch.context() as monkeypatch:
-      use_accelerator_path(monkeypatch)
+      patch_accelerator_path(monkeypatch)
       return cpu, compute(*args)
   return both
 

@@ -79,11 +79,11 @@ def test_approximate_selection_keeps_the_dense_check():
   assert error_feedback(topk(0.01)).unsent_nonfinite is None
 
 
-def test_kept_values_tell_on_the_accelerators_selection(monkeypatch):
+def test_kept_values_tell_on_the_accelerators_selection(monkeypatch, request):
   # The accelerators' formulation of the selection (sampled path and all) keeps NaN and Inf
   # too; 40,000 elements take the sampled path.
   from platform_paths import use_accelerator_path
-  use_accelerator_path(monkeypatch)
+  use_accelerator_path(monkeypatch, request)
   for specials, chunk in ((0, None), (1, None), (30, None), (1, 4096)):
     compressor = topk(0.01, chunk=chunk, value_dtype=jnp.float16)
     x = jnp.asarray(_input(specials, 40_000, specials))
