@@ -2,6 +2,7 @@
 
 import jax
 import jax.numpy as jnp
+import pytest
 
 import jaxcomm
 
@@ -34,6 +35,16 @@ def train(tx, mesh, shard_over, steps=4, model=None, shapes=None):
     state, loss = trainer.step(state, batch)
     losses.append(float(loss))
   return trainer, state, losses
+
+
+def assert_refused_at_init(tx, message):
+  """``data_parallel(..., shard_over='local')`` on 2x4 with ``tx`` raises a ``ValueError``
+  matching ``message`` at ``init``, before any step."""
+  params, loss_fn, _ = problem()
+  trainer = jaxcomm.data_parallel(loss_fn, tx, jaxcomm.make_mesh(hosts=2, local=4),
+                                  shard_over="local")
+  with pytest.raises(ValueError, match=message):
+    trainer.init(params)
 
 
 def powersgd_problem():

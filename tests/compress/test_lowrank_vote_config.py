@@ -8,6 +8,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from gram_schmidt_reference import gram_schmidt_float64
 from jaxcomm.compress import (adaptive_threshold, back_project, cast, compose, count_sketch,
                               majority_vote, orthogonalize, powersgd, project, qsgd, quantize,
                               randomk, sign_vote, terngrad, threshold, topk)
@@ -23,17 +24,6 @@ def test_orthogonalize_gives_orthonormal_columns_and_survives_rank_deficiency():
   np.testing.assert_allclose(deficient[:, 0], q[:, 0], atol=1e-6)
   np.testing.assert_array_equal(deficient[:, 2], 0.0)
   assert np.all(np.linalg.norm(deficient, axis=0) <= 1.0 + 1e-6)
-
-
-def _gram_schmidt(p, epsilon=1e-8):
-  """The textbook modified Gram-Schmidt with ``norm + epsilon``, in float64."""
-  columns = []
-  for index in range(p.shape[1]):
-    column = np.asarray(p[:, index], np.float64)
-    for previous in columns:
-      column = column - np.dot(previous, column) * previous
-    columns.append(column / (np.linalg.norm(column) + epsilon))
-  return np.stack(columns, axis=1)
 
 
 @settings(max_examples=25, deadline=None)
@@ -58,7 +48,7 @@ def test_orthogonalize_is_gram_schmidt_up_to_rounding(m, rank, seed, batch):
       # Gram-Schmidt's error and its loss of orthogonality grow with the condition number
       # (about cond * eps for the modified form); a random square matrix can have cond ~ 1,000.
       cond = np.linalg.cond(np.asarray(p[index]))
-      np.testing.assert_allclose(q[index], _gram_schmidt(np.asarray(p[index])),
+      np.testing.assert_allclose(q[index], gram_schmidt_float64(np.asarray(p[index])),
                                  atol=max(2e-4, 16 * cond * np.finfo(np.float32).eps))
       np.testing.assert_allclose(q[index].T @ q[index], np.eye(rank),
                                  atol=max(1e-5, 4 * cond * np.finfo(np.float32).eps))

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
+from gram_schmidt_reference import gram_schmidt_float64
 from jaxcomm._src.collectives.powersgd import orthogonalize_batched
 from jaxcomm._src.compress.powersgd import PRECISION, orthogonalize, orthogonalize_t
 
@@ -32,16 +33,6 @@ def _column_by_column(p, epsilon=1e-8):
       column = column - overlap[..., None] * previous
     columns.append(column / (jnp.linalg.norm(column, axis=-1, keepdims=True) + epsilon))
   return jnp.stack(columns, axis=-1)
-
-
-def _float64_gram_schmidt(p, epsilon=1e-8):
-  columns = []
-  for index in range(p.shape[1]):
-    column = np.asarray(p[:, index], np.float64)
-    for previous in columns:
-      column = column - np.dot(previous, column) * previous
-    columns.append(column / (np.linalg.norm(column) + epsilon))
-  return np.stack(columns, axis=1)
 
 
 def _degenerate(key, batch, m, rank, kinds):
@@ -75,7 +66,7 @@ def test_transposed_gram_schmidt_is_the_former_one_up_to_rounding(m, rank, batch
   assert np.all(np.linalg.norm(got, axis=-2) <= 1 + 1e-6)
   if m >= rank:
     for index in range(batch):
-      np.testing.assert_allclose(got[index], _float64_gram_schmidt(np.asarray(p[index])),
+      np.testing.assert_allclose(got[index], gram_schmidt_float64(np.asarray(p[index])),
                                  atol=max(2e-4, slack))
       np.testing.assert_allclose(got[index].T @ got[index], np.eye(rank),
                                  atol=max(1e-5, slack / 4))

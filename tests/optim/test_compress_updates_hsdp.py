@@ -17,7 +17,7 @@ import pytest
 
 import jaxcomm
 
-from hsdp_helpers import SHAPES, problem, train
+from hsdp_helpers import SHAPES, assert_refused_at_init, problem, train
 
 # Compressors whose shard-wise encoding is the replicated path's: that path reduce-scatters
 # each zero-padded leaf over 'local' and compresses the same 1/G shard across hosts
@@ -89,11 +89,7 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_cannot_be_exact_on_shards_is_refused_at_init(name):
   make, message = REFUSED[name]
-  params, loss_fn, _ = problem()
-  trainer = jaxcomm.data_parallel(loss_fn, make(), jaxcomm.make_mesh(hosts=2, local=4),
-                                  shard_over="local")
-  with pytest.raises(ValueError, match=message):
-    trainer.init(params)
+  assert_refused_at_init(make(), message)
 
 
 def test_a_nonfinite_step_is_skipped():

@@ -16,7 +16,7 @@ import pytest
 
 import jaxcomm
 
-from hsdp_helpers import problem, train
+from hsdp_helpers import assert_refused_at_init, train
 
 
 def _after_sign(*optimizers):
@@ -60,11 +60,7 @@ REFUSED = {
 @pytest.mark.parametrize("name", sorted(REFUSED))
 def test_what_is_not_exact_on_shards_is_refused_at_init(name):
   make, message = REFUSED[name]
-  params, loss_fn, _ = problem()
-  trainer = jaxcomm.data_parallel(loss_fn, make(), jaxcomm.make_mesh(hosts=2, local=4),
-                                  shard_over="local")
-  with pytest.raises(ValueError, match=message):
-    trainer.init(params)
+  assert_refused_at_init(make(), message)
 
 
 ACCEPTED = {
