@@ -117,9 +117,9 @@ def test_initialize_refuses_a_running_backend():
     distributed.initialize("127.0.0.1:1", 2, 0)
 
 
-def test_mesh_scan_joins_the_job_when_launched():
+def test_mesh_scan_joins_the_job_when_launched(tmp_path):
   result = launch("-m", "benchmarks.mesh_scan", "--methods", "topk-ef", "--steps", "3",
-                  "--timed-steps", "1", "--hidden", "16")
+                  "--timed-steps", "1", "--hidden", "16", "--out", str(tmp_path))
   assert result.returncode == 0, result.stdout[-4000:]
   assert "2 hosts x 4 local devices" in result.stdout
   rows = re.findall(r"^\[process (\d)\] topk-ef +([\d,]+) ", result.stdout, re.MULTILINE)
