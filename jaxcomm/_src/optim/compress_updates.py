@@ -48,12 +48,9 @@ def _at_least_1d(tree):
 
 def _shards(fast_axis: str, host_variance: bool, caller: str) -> hsdp.ShardedLeaves | None:
   """The sharded leaves under ``data_parallel(..., shard_over=fast_axis)``, else ``None``."""
-  shards = hsdp.sharded_leaves()
+  shards = hsdp.sharded_leaves_over(fast_axis, caller)
   if shards is None:
     return None
-  if shards.axis != fast_axis:
-    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
-                     f"so fast_axis must be {shards.axis!r}; got fast_axis={fast_axis!r}.")
   if host_variance:
     raise ValueError(f"{caller}: host_variance=True needs every device's own gradient, which "
                      f"shard_over={shards.axis!r} never forms (each device receives the sum of "

@@ -251,6 +251,19 @@ def sharded_leaves() -> ShardedLeaves | None:
   return _SHARDED_LEAVES.get()
 
 
+def sharded_leaves_over(fast_axis: str, caller: str) -> ShardedLeaves | None:
+  """:func:`sharded_leaves`, for a transformation whose fast axis must be the sharded one.
+
+  Raises:
+    ValueError: the leaves are sharded over another axis than ``fast_axis``.
+  """
+  shards = sharded_leaves()
+  if shards is not None and shards.axis != fast_axis:
+    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
+                     f"so fast_axis must be {shards.axis!r}; got fast_axis={fast_axis!r}.")
+  return shards
+
+
 def _scoped(tx: optax.GradientTransformation, scope: str) -> optax.GradientTransformation:
   """``tx`` with its ``update`` in the name scope ``scope`` (extra arguments kept)."""
 

@@ -131,11 +131,7 @@ def powersgd_allreduce(rank: int = 4, *, min_compression_rate: float = 2.0,
 def _sharded_leaves(fast_axis: str) -> hsdp.ShardedLeaves | None:
   """Under ``data_parallel(..., shard_over=)``: the leaves are flat shards, factorized by
   column blocks (:func:`jaxcomm.optim.hsdp.powersgd_on_shards`); else ``None``."""
-  shards = hsdp.sharded_leaves()
-  if shards is not None and shards.axis != fast_axis:
-    raise ValueError(f"powersgd_allreduce(fast_axis={fast_axis!r}) runs on parameters sharded "
-                     f"over {shards.axis!r}: its fast_axis must be the sharded axis.")
-  return shards
+  return hsdp.sharded_leaves_over(fast_axis, "powersgd_allreduce")
 
 
 def _host_sums(leaves, states, shards, fast_axis: str, slow_axis: str) -> list:

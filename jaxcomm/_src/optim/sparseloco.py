@@ -245,11 +245,7 @@ def decode(payload: SparsePayload, size: int, chunk: int, density: float, bits: 
 
 def _on_shards(fast_axis: str, caller: str) -> bool:
   """Whether the leaves are this device's shards of the host's model (``shard_over``)."""
-  shards = hsdp.sharded_leaves()
-  if shards is not None and shards.axis != fast_axis:
-    raise ValueError(f"{caller}: the parameters are sharded over {shards.axis!r} (shard_over), "
-                     f"so fast_axis must be {shards.axis!r}; got {fast_axis!r}.")
-  return shards is not None
+  return hsdp.sharded_leaves_over(fast_axis, caller) is not None
 
 
 def fast_mean(fast_axis: str) -> optax.GradientTransformation:
