@@ -48,7 +48,8 @@ def accumulate_gradients(tx: optax.GradientTransformation, k: int) -> optax.Grad
 
   Args:
     tx: the chain to run every ``k`` micro-steps, e.g.
-      ``optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)), optax.adam(1e-3))``.
+      ``optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
+      optax.sgd(0.1, momentum=0.9))``.
     k: micro-steps per update, ``>= 1``.
 
   Returns:

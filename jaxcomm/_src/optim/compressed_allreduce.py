@@ -335,8 +335,12 @@ def compressed_allreduce(
     returns their mean.
 
   Example:
-    >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.topk(0.01)),
-    ...                  optax.adamw(1e-3))  # doctest: +SKIP
+    >>> tx = optax.chain(jaxcomm.compressed_allreduce(jaxcomm.sign()),
+    ...                  optax.sgd(0.1, momentum=0.9))  # doctest: +SKIP
+
+    With AdamW, compress its update instead (docs/quality.md, section 8):
+
+    >>> tx = jaxcomm.optim.compress_updates(optax.adamw(1e-3), jaxcomm.sign())  # doctest: +SKIP
   """
   _check_arguments(compressor, feedback, nonfinite)
   seed = check_seed("seed", seed)
