@@ -59,6 +59,24 @@ def _keep_if(bad: jax.Array, old: ErrorFeedbackState, new: ErrorFeedbackState):
                               bad, old, new)
 
 
+def _unsent_nonfinite(unsent: jax.Array) -> jax.Array:
+  """Bool scalar: the float32 residual ``unsent`` holds a NaN or an Inf, as
+  :func:`~jaxcomm._src.nonfinite.has_nonfinite` says, on the CPU from a plain sum.
+
+  A NaN or Inf entry makes every sum of the entries NaN or Inf (an IEEE addition never turns
+  one finite again), so a finite sum clears them all; a sum that is not finite (such an entry,
+  or finite entries whose sum overflows) looks entry by entry. XLA's CPU backend runs each
+  check as a one-threaded XNNPACK reduction, and ``sum(x - x)`` computes twice what ``sum(x)``
+  does (16M float32 elements: about 5 against 2.5-3 ms). On accelerators a conditional waits
+  for its predicate on the host, and the fused reduction of ``x - x`` stays."""
+  def on_cpu(unsent):
+    total = jnp.sum(unsent)
+    # (`isnan(total)` is False in the finite branch, and varies over mesh axes as `unsent`.)
+    return jax.lax.cond(jnp.isfinite(total), lambda: jnp.isnan(total),
+                        lambda: has_nonfinite(unsent))
+  return backends.by_platform(on_cpu, has_nonfinite, unsent)
+
+
 def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Compressor:
   """Wraps ``compressor`` with error feedback (memory).
 
@@ -122,7 +140,7 @@ def error_feedback(compressor: Compressor, *, bound: float | None = None) -> Com
     # a pass over the residual.
     kept = compressor.unsent_nonfinite
     if bound is None:
-      bad = has_nonfinite(unsent) if kept is None else kept(payload)
+      bad = _unsent_nonfinite(unsent) if kept is None else kept(payload)
     else:
       # The capped residual `unsent * scale` (scale <= 1) is not finite exactly where
       # `unsent` is not or the scale is NaN, so it is checked through those two before the
