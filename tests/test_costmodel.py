@@ -195,8 +195,9 @@ def _two_bytes_per_element(shape, dtype):
     (None, "gather", 4, 16.0, 4 * 1.0 + 16 / 4),
     # Gather of payloads of 6 and 2 bytes in one all-gather: 1 step, (H-1) c = 6 + 2 bytes.
     (_two_bytes_per_element, "gather", 1, 8.0, 1 * 1.0 + 8 / 4),
-    # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); all-to-all + gather.
-    (_two_bytes_per_element, "two_phase", 4, 12.0, 4 * 1.0 + 12 / 4),
+    # Two-phase: chunks of ceil(3/2) = 2 and 1 elements (4 and 2 bytes); one all-to-all and
+    # one all-gather for both leaves: 1 + 1 steps, 2 (H-1) (4 + 2) bytes.
+    (_two_bytes_per_element, "two_phase", 2, 12.0, 2 * 1.0 + 12 / 4),
 ])
 def test_project_on_hand_computed_cases(wire_bytes, strategy, slow_steps, slow_bytes,
                                         slow_seconds):

@@ -422,12 +422,13 @@ def project(shapes: Iterable[Shape], hosts: int, local: int, fast_link: LinkLike
       alpha_s`` once (what :func:`jaxcomm.compressed_allreduce` runs);
     - ``'two_phase'``: the shard in ``H`` chunks of ``ceil(s/H)`` elements with
       ``c_H = wire_bytes((ceil(s/H),))`` bytes each; all-to-all then all-gather of the
-      re-encoded chunk, ``2(H-1) alpha_s + 2(H-1) c_H beta_s``, about ``2c`` for any ``H``.
+      re-encoded chunk, ``2(H-1) c_H beta_s``, about ``2c`` for any ``H``, every leaf's chunks
+      in one all-to-all and one all-gather per step, so ``2(H-1) alpha_s`` once.
 
   Every device of a host works its own shard at once, each on its own slow link: give
   ``slow_link.shared_by(G)`` when a host's devices share one NIC. One collective per leaf
   and phase (no bucketing), so small leaves pay the ``alpha`` terms in full, except the
-  gather strategy's all-gather, one per step for all leaves.
+  gather and two-phase strategies' collectives, one of each kind per step for all leaves.
 
   Args:
     shapes: gradient leaf shapes, e.g. ``transformer_gradient_shapes('llama-7b').values()``.

@@ -94,7 +94,7 @@ def test_three_level_cost_equals_the_compiled_bytes():
                                                   (jaxcomm.identity(), "linear")])
 def test_project_charges_the_slow_axis_what_the_strategy_costs(compressor, strategy):
   """The model-level projection is the per-level ``cost`` summed over the leaves, but for
-  gather's all-gather, one for all leaves."""
+  gather's all-gather and two-phase's all-to-all and all-gather, one each for all leaves."""
   shapes, hosts, local = [(300, 40), (41,)], 4, 8
   projected = costmodel.project(shapes, hosts, local, "nvlink4", "1gbe", compressor,
                                 strategy=strategy)
@@ -102,7 +102,8 @@ def test_project_charges_the_slow_axis_what_the_strategy_costs(compressor, strat
   sizes = {"host": hosts, "local": local}
   per_leaf = [hierarchical_cost(levels, int(np.prod(s)), sizes) for s in shapes]
   assert projected.slow_bytes == pytest.approx(sum(c["host"].nbytes for c in per_leaf))
-  shared = (len(shapes) - 1) * (hosts - 1) if strategy == "gather" else 0
+  collectives = {"gather": 1, "two_phase": 2}.get(strategy, 0)
+  shared = (len(shapes) - 1) * (hosts - 1) * collectives
   assert projected.slow_steps == sum(c["host"].steps for c in per_leaf) - shared
 
 

@@ -1,5 +1,6 @@
-"""Several arrays reduced in one engine call: the gather levels share one all-gather, and every
-array's mean and state equal what the engine returns for it alone, bit for bit."""
+"""Several arrays reduced in one engine call: the gather levels share one all-gather, the
+two-phase levels one all-to-all and one all-gather, and every array's mean and state equal
+what the engine returns for it alone, bit for bit."""
 
 import functools
 
@@ -12,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import jaxcomm
 from jaxcomm import accounting
 from jaxcomm._src.collectives.hierarchical import hierarchical_allreduce_many
-from jaxcomm._src.collectives.strategies import Gather
+from jaxcomm._src.collectives.strategies import Gather, TwoPhase
 from jaxcomm.collectives import hierarchical_allreduce, hierarchical_cost, init_states, level
 
 AXES = ("host", "local")
@@ -73,6 +74,39 @@ def test_gather_levels_send_one_collective_of_every_payload():
                  for levels, size in zip(topologies[:3], SIZES))
   assert [op.bytes_per_device for op in gathers] == [(2 - 1) * payloads] * 2
   # Every byte is what the arrays reduced one by one send (the per-array cost formulas).
+  alone = [hierarchical_cost(levels, size, dict(mesh.shape))
+           for levels, size in zip(topologies, SIZES)]
+  assert report.link_bytes() == pytest.approx(
+      {axis: 2 * sum(cost[axis].nbytes for cost in alone) for axis in AXES}, rel=1e-12)
+
+
+def _two_phase_topologies(implementation):
+  two_phase = TwoPhase(implementation)
+  return [(level("local"), level("host", jaxcomm.topk(0.1), strategy=two_phase)),
+          (level("local"), level("host", jaxcomm.quantize(8), strategy=two_phase,
+                                 feedback=False)),
+          (level("local"), level("host", jaxcomm.topk(0.2), strategy=two_phase)),
+          (level("local"), level("host", jaxcomm.identity(), strategy="linear"))]
+
+
+@pytest.mark.parametrize("implementation", ["all_gather", "psum"])
+def test_two_phase_levels_equal_one_call_per_array_exactly(implementation):
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  topologies = _two_phase_topologies(implementation)
+  together = _run(mesh, topologies, True)(*_inputs())
+  alone = _run(mesh, topologies, False)(*_inputs())
+  chex.assert_trees_all_equal(together, alone)
+
+
+def test_two_phase_levels_send_one_all_to_all_and_one_all_gather_of_every_payload():
+  mesh = jaxcomm.make_mesh(hosts=2, local=4)
+  topologies = _two_phase_topologies("all_gather")
+  shapes = [jax.ShapeDtypeStruct((8, size), jnp.float32) for size in SIZES]
+  report = accounting.measure(_run(mesh, topologies, True), *shapes, mesh=mesh)
+  on_host = [op.kind for op in report.collectives if op.axes == ("host",)]
+  # Per call: one all-to-all and one all-gather of the two-phase payloads, one all-reduce of
+  # the linear level's.
+  assert sorted(on_host) == sorted(["all-to-all", "all-gather", "all-reduce"] * 2)
   alone = [hierarchical_cost(levels, size, dict(mesh.shape))
            for levels, size in zip(topologies, SIZES)]
   assert report.link_bytes() == pytest.approx(

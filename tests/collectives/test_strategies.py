@@ -278,3 +278,45 @@ def test_two_phase_residuals_are_the_input_less_what_was_decoded(value_dtype):
   np.testing.assert_array_equal(np.asarray(new_workers), np.asarray(expected_workers))
   np.testing.assert_array_equal(np.asarray(new_servers), np.asarray(expected_servers))
   assert np.any(np.asarray(new_servers) != 0)
+
+
+@pytest.mark.parametrize("compressor, exact", [(jaxcomm.topk(0.1), True),
+                                               (jaxcomm.sign(), False)], ids=["topk", "sign"])
+def test_two_phase_of_several_shards_crosses_once_with_each_shards_result(compressor, exact):
+  # One all-to-all and one all-gather for all shards, each shard's sum and residuals as
+  # alone. Top-k's are bit for bit; sign's scales are sums whose order XLA's fusion may
+  # change (a rounding difference).
+  from jaxcomm._src.collectives.strategies import TwoPhase, TwoPhaseState, two_phase_init
+  mesh = jax.make_mesh((2,), ("host",), axis_types=(AxisType.Explicit,))
+  sizes = (100, 7, 64)
+  keys = jax.random.split(jax.random.PRNGKey(3), 2 * len(sizes))
+  shards = [fast_random.normal(keys[i], (2, size)) for i, size in enumerate(sizes)]
+  worker_residuals = [fast_random.normal(keys[len(sizes) + i], (2, -(-size // 2) * 2))
+                      for i, size in enumerate(sizes)]
+  shards, worker_residuals = jax.device_put((shards, worker_residuals),
+                                            NamedSharding(mesh, P("host")))
+
+  def run(together):
+    @jax.jit
+    @functools.partial(jax.shard_map, mesh=mesh, in_specs=P("host"), out_specs=P("host"))
+    def exchange(shards, worker_residuals):
+      items = [(shard[0], compressor,
+                TwoPhaseState(residual[0], two_phase_init(shard.shape[1], 2).server_residual),
+                jax.random.PRNGKey(i), True)
+               for i, (shard, residual) in enumerate(zip(shards, worker_residuals))]
+      if together:
+        results = TwoPhase().apply_many(items, "host")
+      else:
+        results = [TwoPhase().apply(*item[:4], "host", True) for item in items]
+      return jax.tree.map(lambda leaf: leaf[None], results)
+    return exchange, exchange(shards, worker_residuals)
+
+  exchange, together = run(True)
+  _, alone = run(False)
+  if exact:
+    chex.assert_trees_all_equal(together, alone)
+  else:
+    chex.assert_trees_all_close(together, alone, rtol=1e-6)
+  hlo = exchange.lower(shards, worker_residuals).compile().as_text()
+  assert hlo.count(" all-to-all(") == 1
+  assert hlo.count(" all-gather(") == 1

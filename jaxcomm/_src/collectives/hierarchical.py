@@ -249,7 +249,9 @@ def hierarchical_allreduce_many(xs: Sequence[jax.Array], topologies: Sequence[Se
   Each array is reduced exactly as :func:`hierarchical_allreduce` reduces it alone (same
   results, bit for bit, and the same bytes), but the compressed levels with the
   :class:`~jaxcomm.collectives.Gather` strategy send every array's payload in one collective
-  per level and call (:func:`~jaxcomm.collectives.strategies.gather_sums`): one rendezvous
+  per level and call (:func:`~jaxcomm.collectives.strategies.gather_sums`), and those with
+  :class:`~jaxcomm.collectives.TwoPhase` in one all-to-all and one all-gather
+  (:func:`~jaxcomm.collectives.strategies.two_phase_sums`): one rendezvous per collective
   instead of one per array.
 
   Args:
@@ -339,7 +341,7 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
                for x, levels in zip(xs, topologies)]
   for index, axis in enumerate(axes):
     axis_size = jax.lax.axis_size(axis)
-    gathers: dict[strategies.Gather, list[int]] = {}
+    batched: dict[strategies.Strategy, list[int]] = {}
     for b, levels in enumerate(topologies):
       lv = levels[index]
       if _done(lv):
@@ -351,13 +353,13 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
           nonfinite[b] = has_nonfinite(shards[b])
       elif axis_size == 1:
         shards[b] = jax.lax.psum(shards[b], axis)  # one device: a no-op that marks it reduced
-      elif isinstance(strategy, strategies.Gather):
-        gathers.setdefault(strategy, []).append(b)
+      elif strategies.batches(strategy):
+        batched.setdefault(strategy, []).append(b)
       else:
         shards[b], new_states[b][index] = strategy.apply(
             shards[b], lv.compressor, new_states[b][index],
             _level_key(keys[b], levels, index, strategy.shared_key), axis, lv.feedback)
-    for strategy, members in gathers.items():
+    for strategy, members in batched.items():
       items = [(shards[b], topologies[b][index].compressor, new_states[b][index],
                 _level_key(keys[b], topologies[b], index, strategy.shared_key),
                 topologies[b][index].feedback)

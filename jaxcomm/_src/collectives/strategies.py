@@ -292,16 +292,37 @@ class TwoPhase(NamedTuple):
     return two_phase_init(length, axis_size) if feedback else ()
 
   def apply(self, shard, compressor, state, key, axis: str, feedback: bool):
-    del feedback
-    total, state = two_phase_sum(shard, compressor, state or None, key, axis,
-                                 self.implementation)
-    return total, () if state is None else state
+    return self.apply_many([(shard, compressor, state, key, feedback)], axis)[0]
+
+  def apply_many(self, items, axis: str) -> list:
+    """:meth:`apply` of several shards over ``axis`` with one all-to-all and one all-gather
+    (:func:`two_phase_sums`).
+
+    Args:
+      items: ``(shard, compressor, state, key, feedback)`` per shard, as :meth:`apply` takes.
+
+    Returns:
+      ``(sum, new state)`` per shard, what :meth:`apply` computes for it alone.
+    """
+    summed = two_phase_sums([(shard, compressor, state or None, key)
+                             for shard, compressor, state, key, _ in items],
+                            axis, self.implementation)
+    return [(total, () if state is None else state) for total, state in summed]
 
   def cost(self, compressor, length: int, axis_size: int, dtype: Any = jnp.float32) -> Cost:
-    chunk = (-(-length // axis_size),)
-    chunk_bytes = compressor.wire_bytes(chunk, dtype)
-    agreements = _agreement_cost(compressor, chunk, jnp.float32, axis_size)
-    # n chunks encoded, then the owned chunk re-encoded: n + 1 encodes.
+    return self.cost_many(compressor, (length,), axis_size, dtype)
+
+  def cost_many(self, compressor, lengths, axis_size: int, dtype: Any = jnp.float32) -> Cost:
+    """:meth:`apply_many`'s cost for shards of ``lengths``: each encode's agreements, one
+    all-to-all of every shard's ``n`` chunk payloads and one all-gather of every shard's
+    re-encoded chunk, ``2 (n-1) sum c_n`` bytes (nothing for no shards)."""
+    if not lengths:
+      return NO_COST
+    chunks = [(-(-length // axis_size),) for length in lengths]
+    chunk_bytes = sum(compressor.wire_bytes(chunk, dtype) for chunk in chunks)
+    agreements = sum((_agreement_cost(compressor, chunk, jnp.float32, axis_size)
+                      for chunk in chunks), NO_COST)
+    # n chunks encoded, then the owned chunk re-encoded: n + 1 encodes per shard.
     return (Cost(*(count * (axis_size + 1) for count in agreements))
             + ring_cost("all-to-all", axis_size * chunk_bytes, axis_size)
             + _gather_cost(self.implementation, chunk_bytes, axis_size))
@@ -312,12 +333,19 @@ BY_NAME = {kind.name: kind() for kind in (Dense, Linear, Gather, TwoPhase)}
 STRATEGIES = tuple(BY_NAME)
 
 
+def batches(strategy: Strategy) -> bool:
+  """Whether ``strategy`` sums several shards with one set of collectives (``apply_many``,
+  ``cost_many``): :class:`Gather` and :class:`TwoPhase`."""
+  return isinstance(strategy, (Gather, TwoPhase))
+
+
 def level_cost(strategy: Strategy, compressor, lengths, axis_size: int,
                dtype: Any = jnp.float32) -> Cost:
   """One level's cost when the engine sums shards of ``lengths`` in one call
-  (:func:`~jaxcomm.collectives.hierarchical.hierarchical_allreduce_many`): a :class:`Gather`'s
-  payloads share one collective (:meth:`Gather.cost_many`); other strategies pay per shard."""
-  if isinstance(strategy, Gather):
+  (:func:`~jaxcomm.collectives.hierarchical.hierarchical_allreduce_many`): the payloads of a
+  :func:`batches` strategy share its collectives (``cost_many``); other strategies pay per
+  shard."""
+  if batches(strategy):
     return strategy.cost_many(compressor, lengths, axis_size, dtype)
   return sum((strategy.cost(compressor, length, axis_size, dtype) for length in lengths),
              NO_COST)
@@ -575,12 +603,52 @@ def two_phase_sum(shard: jax.Array, compressor: Compressor, state: TwoPhaseState
   With ``state=None`` no residual is kept (an unbiased compressor without error feedback).
   Non-finite input leaves both residuals as they were.
   """
+  return two_phase_sums([(shard, compressor, state, key)], axis, implementation)[0]
+
+
+def two_phase_sums(items, axis: str, implementation: str | None = None) -> list:
+  """:func:`two_phase_sum` of several shards with one all-to-all and one all-gather over
+  ``axis``.
+
+  Every shard's chunk payloads cross in one all-to-all and every re-encoded chunk in one
+  all-gather, each packed into one uint8 buffer of exactly their bytes: the axis pays two
+  rendezvous per call instead of two per shard (XLA's CPU backend combines neither). Bytes
+  per device: what one :func:`two_phase_sum` per shard sends.
+
+  Args:
+    items: ``(shard, compressor, state, key)`` per shard, as :func:`two_phase_sum` takes.
+    axis: the mesh axis.
+    implementation: the all-gather, as for :func:`gather_payloads`.
+
+  Returns:
+    ``(float32 sum, new state or None)`` per shard, as :func:`two_phase_sum`.
+  """
   with combining(over_axis(axis)):
-    return _two_phase_sum(shard, compressor, state, key, axis, implementation)
+    n = jax.lax.axis_size(axis)
+    workers = [_worker_encode(shard, compressor, state, key, n)
+               for shard, compressor, state, key in items]
+    received = all_to_all_payload(tuple(worker.payloads for worker in workers), axis)
+    servers = [_server_encode(compressor, state, worker, chunk_payloads)
+               for (_, compressor, state, _), worker, chunk_payloads
+               in zip(items, workers, received)]
+    gathered = gather_payloads(tuple(payload for _, payload in servers), axis, implementation)
+    return [_two_phase_result(shard, compressor, state, worker, server, server_payloads)
+            for (shard, compressor, state, _), worker, server, server_payloads
+            in zip(items, workers, servers, gathered)]
 
 
-def _two_phase_sum(shard, compressor, state, key, axis, implementation):
-  n = jax.lax.axis_size(axis)
+class _WorkerChunks(NamedTuple):
+  """One shard's first phase on one device: ``chunks``, float32 ``(n, chunk)`` (the shard
+  plus the worker residual, zero-padded), their ``payloads`` (leaves with a leading axis
+  ``n``), and the key of the server's re-encode."""
+  chunks: jax.Array
+  payloads: Any
+  server_key: jax.Array
+
+
+def _worker_encode(shard, compressor, state, key, n: int) -> _WorkerChunks:
+  """The first phase of one shard: ``shard`` plus the worker residual, in ``n`` chunks, each
+  encoded with its own key."""
   size = shard.shape[0]
   chunk = -(-size // n)
   keys = jax.random.split(key, n + 1)
@@ -588,25 +656,35 @@ def _two_phase_sum(shard, compressor, state, key, axis, implementation):
   if state is not None:
     corrected = corrected + state.worker_residual
   chunks = corrected.reshape(n, chunk)
-  encode_chunk = lambda x, k: compressor.encode(x, (), k)[0]
-  decode_chunk = lambda p: compressor.decode(p, (chunk,))
-  # One encode per chunk, not a vmap: XLA's CPU backend lowers a batched top_k to a full
-  # sort (40x slower here) instead of its TopK kernel.
+  # One encode per chunk, not a vmap: under vmap, a conditional inside the encode (top-k's
+  # sampled path for chunks of 2^15 or more) becomes a select that runs both branches, and a
+  # batched TopK saved nothing measurable in the char LM's step (docs/collectives.md).
   payloads = jax.tree.map(lambda *leaves: jnp.stack(leaves),
-                          *[encode_chunk(chunks[i], keys[i]) for i in range(n)])
-  received = all_to_all_payload(payloads, axis)
-  owned = decode_and_sum(compressor, received, (chunk,))
+                          *[compressor.encode(chunks[i], (), keys[i])[0] for i in range(n)])
+  return _WorkerChunks(chunks, payloads, keys[n])
+
+
+def _server_encode(compressor, state, worker: _WorkerChunks, received):
+  """``(owned, payload)``: this device's chunk summed over the axis (plus the server
+  residual) and its re-encoded payload."""
+  owned = decode_and_sum(compressor, received, worker.chunks.shape[1:])
   if state is not None:
     owned = owned + state.server_residual
-  server_payload = encode_chunk(owned, keys[n])
-  gathered = gather_payloads(server_payload, axis, implementation)
-  total = jax.vmap(decode_chunk)(gathered).reshape(-1)[:size]
+  return owned, compressor.encode(owned, (), worker.server_key)[0]
+
+
+def _two_phase_result(shard, compressor, state, worker: _WorkerChunks, server, gathered):
+  """``(total, new state)`` of one shard from the gathered re-encoded chunks."""
+  chunk = worker.chunks.shape[1:]
+  total = jax.vmap(lambda payload: compressor.decode(payload, chunk))(gathered)
+  total = total.reshape(-1)[:shard.shape[0]]
   if state is None:
     return total, None
+  owned, server_payload = server
   # Both residuals without a dense decode where the compressor has its own subtraction
   # (top-k: its values scattered into the input), bit for bit the same.
   worker_residual = jax.vmap(lambda x, p: subtract_decoded(compressor, x, p))(
-      chunks, payloads).reshape(-1)
+      worker.chunks, worker.payloads).reshape(-1)
   server_residual = subtract_decoded(compressor, owned, server_payload)
   return total, keep_if(has_nonfinite(shard), state,
                         TwoPhaseState(worker_residual, server_residual))
