@@ -225,21 +225,20 @@ def _clip(grads32: list, clip_norm: float | None, topo: _Topology) -> list:
 def _exchange(compressor, velocities, server, workers, strategy: strategies.Strategy):
   """``(sum over workers of the sent velocity, unsent velocity, server residual)`` per leaf:
   the velocity is the error-feedback memory, so each exchange starts from a zero residual.
-  With gather, every leaf's top-k crosses in one all-gather
-  (:meth:`~jaxcomm.collectives.Gather.apply_many`)."""
+  Every leaf's top-k crosses in one all-gather (gather) or one all-to-all and one all-gather
+  (two-phase): the strategies' ``apply_many``."""
   flats = [velocity.reshape(-1) for velocity in velocities]
   if not strategy.own_residuals:  # gather: top-k with error feedback
     results = strategy.apply_many(
         [(flat, compressor, ErrorFeedbackState(jnp.zeros_like(flat), ()), unread_key(), True)
          for flat in flats], workers)
     return [(total, state.residual, s) for (total, state), s in zip(results, server)]
-  exchanged = []
-  for flat, residual in zip(flats, server):
-    empty = strategies.two_phase_init(flat.size, device_count(workers))
-    total, state = strategy.apply(flat, compressor, empty._replace(server_residual=residual),
-                                  unread_key(), workers, True)
-    exchanged.append((total, state.worker_residual[:flat.size], state.server_residual))
-  return exchanged
+  results = strategy.apply_many(
+      [(flat, compressor, strategies.two_phase_init(flat.size, device_count(workers))._replace(
+          server_residual=residual), unread_key(), True) for flat, residual in zip(flats, server)],
+      workers)
+  return [(total, state.worker_residual[:flat.size], state.server_residual)
+          for (total, state), flat in zip(results, flats)]
 
 
 def _sparse_step(compressor, workers, strategy: strategies.Strategy, momentum_masking: bool,
