@@ -19,7 +19,6 @@ from jaxcomm._src.compress import chunks, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
-from jaxcomm._src.compress.qsgd import CODE_STEP
 from jaxcomm._src.compress.randomk import random_indices
 from jaxcomm._src.compress.select import (EXACT_PIECE, MIN_FAST_SIZE, TOP_K_MAX, compact,
                                           kth_largest_bits, largest_k, sample_plan,
@@ -310,20 +309,20 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
 
 @pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
-@pytest.mark.parametrize("size", [5000, 3 * CODE_STEP + 1003])
+@pytest.mark.parametrize("size", [5000, 3 * chunks.NORM_STEP + 1003])
 def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeypatch, request):
-  """QSGD's payload is that of the per-element formula written out, bit for bit (a division
-  by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
-  bucket, and the larger one, with buckets, takes the CPU's loop over steps (three and a
-  partial one) and, forced, the accelerators' single pass."""
+  """QSGD's payload is that of the per-element formula written out, bit for bit (``|x|``
+  times its bucket's ``s / norm``); the sizes leave a partial last bucket, and the larger
+  one, with buckets, takes the CPU's norms in a loop over steps (three and a partial one)
+  and, forced, the accelerators' row reduction."""
   key = jax.random.PRNGKey(12)
   x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
   bits = math.ceil(math.log2(levels + 1)) + 1
 
   @jax.jit
   def plain(x, norms):
-    norm = chunks.per_element(norms, size, bucket)
-    ratio = levels * jnp.abs(x) / jnp.where(norm > 0, norm, 1.0)
+    scale = chunks.per_element(levels / jnp.where(norms > 0, norms, 1.0), size, bucket)
+    ratio = jnp.abs(x) * scale
     level = jnp.floor(ratio) + (hash_uniform(key, (size,)) < ratio - jnp.floor(ratio))
     codes = jnp.clip(level, 0, levels).astype(jnp.uint8) | jnp.where(x < 0, 1 << (bits - 1), 0)
     return pack_bits(codes, bits)
