@@ -6,7 +6,8 @@ the whole cost of the unbiased quantizers. Here bit ``i`` of a call is
 ``mix(mix(i ^ k0) + k1)`` with ``mix`` the 32-bit finalizer of MurmurHash3 (two xor-shifts and
 two multiplications by odd constants, a bijection of uint32) and ``(k0, k1)`` the words of the
 call's PRNG key: about a dozen uint32 operations per element, which XLA fuses into the
-consumer's loop. The key still comes from the caller (per device, per step, or shared where
+consumer's loop. Where that hash is the cost (QSGD), one round, ``mix((i + k1) * m)`` with an
+odd ``m`` hashed from both words, halves it (:func:`bits_at`). The key still comes from the caller (per device, per step, or shared where
 linearity needs it); only the expansion of a key into per-element bits changes.
 
 The bits are not cryptographic. What the compressors need, and what the tests check with fixed

@@ -84,10 +84,11 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
     a zero norm, whose elements are zero)."""
     ratio = jnp.abs(flat) * scale
     floor = jnp.floor(ratio)
+    # One round of hashing (hashing.bits_at): with two, the hash was most of the codes' time.
+    round_up = bernoulli(key, ratio - floor, rounds=1)
     # The level in int32 (a NaN ratio converts to 0, as it did through a float clip): a float
     # clip propagates NaNs with extra compares and blends per element (16M: encode -2.7 ms).
-    # One round of hashing per element: the hash was most of the codes' time.
-    level = floor.astype(jnp.int32) + bernoulli(key, ratio - floor, rounds=1)
+    level = floor.astype(jnp.int32) + round_up
     # Rounding in the ratio can reach s + epsilon for a one-hot input; clip so the code fits.
     level = jnp.minimum(level, levels)
     return (level | jnp.where(flat < 0, sign_bit, 0)).astype(jnp.uint8)
