@@ -7,8 +7,9 @@ the whole cost of the unbiased quantizers. Here bit ``i`` of a call is
 two multiplications by odd constants, a bijection of uint32) and ``(k0, k1)`` the words of the
 call's PRNG key: about a dozen uint32 operations per element, which XLA fuses into the
 consumer's loop. Where that hash is the cost (QSGD), one round, ``mix((i + k1) * m)`` with an
-odd ``m`` hashed from both words, halves it (:func:`bits_at`). The key still comes from the caller (per device, per step, or shared where
-linearity needs it); only the expansion of a key into per-element bits changes.
+odd ``m`` hashed from both words, halves it (:func:`bits_at`). The key still comes from the
+caller (per device, per step, or shared where linearity needs it); only the expansion of a key
+into per-element bits changes.
 
 The bits are not cryptographic. What the compressors need, and what the tests check with fixed
 keys, is that the uniforms are uniform (a chi-square test of their histogram), that two keys
@@ -66,9 +67,11 @@ def bits_at(key: jax.Array, index: jax.Array, *, rounds: int = 2) -> jax.Array:
   odd multiplier ``m = mix32(k0 ^ mix32(k1)) | 1`` hashed once per call, so a key's counter is
   a Weyl sequence (steps of ``m``) and every key word changes the multiplier: half the
   element-wise work (two multiplications and three xor-shifts, not four and six), for callers
-  whose cost is the hash (QSGD's encode at 16M: 19.6 -> 16.5 ms of CPU). Keys whose words
-  are equal except ``k1`` no longer give shifted copies of one stream, as ``i + k1`` alone
-  would; two keys share a multiplier with probability about ``2^-31``.
+  whose cost is the hash (QSGD's encode at 16M: 21.4 -> 16.3 ms of CPU). Keys whose words
+  are equal except ``k1`` do not give shifted copies of one stream, as ``i + k1`` alone
+  would; two keys share a multiplier with probability about ``2^-31``. With two rounds, raw
+  keys whose ``k0`` differ in low bits give streams of neighbours permuted (``i ^ k0``);
+  keys from ``jax.random.split`` or ``fold_in`` do not relate so.
   """
   k0, k1 = key_words(key)
   if rounds == 1:
