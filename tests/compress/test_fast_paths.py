@@ -4,6 +4,7 @@ Fixed keys and inputs throughout; statistical checks use tolerances of several s
 deviations of the statistic, computed from its variance.
 """
 
+import functools
 import math
 
 import jax
@@ -15,11 +16,10 @@ from hypothesis import strategies as st
 
 from jaxcomm.compress import (adaptive_threshold, pack_bits, payload_nbytes, qsgd, quantize,
                               terngrad, threshold, topk, unpack_bits)
-from jaxcomm._src.compress import chunks, packing
+from jaxcomm._src.compress import chunks, hashing, packing
 from jaxcomm._src.compress.hashing import bits_at, hash_bits, hash_uniform, stochastic_round
 from jaxcomm._src.compress.quantize import grid_points
 from jaxcomm._src.compress.packing import pack_elementwise
-from jaxcomm._src.compress.qsgd import CODE_STEP
 from jaxcomm._src.compress.randomk import random_indices
 from jaxcomm._src.compress.select import (EXACT_PIECE, MIN_FAST_SIZE, TOP_K_MAX, compact,
                                           kth_largest_bits, largest_k, sample_plan,
@@ -32,20 +32,49 @@ fast_largest_k = jax.jit(largest_k, static_argnums=1)
 FAST = MIN_FAST_SIZE + 1234  # above the size where the sampled path is taken, not a multiple of 16
 
 
-def test_hash_uniform_is_uniform_and_keys_are_independent():
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_hash_uniform_is_uniform_and_keys_are_independent(rounds):
   count, bins = 1 << 16, 64
-  uniform = np.asarray(hash_uniform(KEY, (count,)))
+  uniform_of = functools.partial(hashing.hash_uniform, rounds=rounds)
+  uniform = np.asarray(uniform_of(KEY, (count,)))
   assert uniform.min() >= 0.0 and uniform.max() < 1.0
   histogram = np.bincount((uniform * bins).astype(int), minlength=bins)
   expected = count / bins
   chi2 = float(np.sum((histogram - expected) ** 2 / expected))
   # 63 degrees of freedom: mean 63, standard deviation sqrt(126) ~ 11.2; 6 sigma above.
   assert chi2 < 63 + 6 * math.sqrt(126), chi2
-  other = np.asarray(hash_uniform(jax.random.PRNGKey(4), (count,)))
+  other = np.asarray(uniform_of(jax.random.PRNGKey(4), (count,)))
   correlation = np.corrcoef(uniform, other)[0, 1]
   assert abs(correlation) < 6 / math.sqrt(count), correlation
-  shifted = np.asarray(hash_uniform(KEY, (count + 1,)))[1:]
+  shifted = np.asarray(uniform_of(KEY, (count + 1,)))[1:]
   assert abs(np.corrcoef(uniform, shifted)[0, 1]) < 6 / math.sqrt(count)
+
+
+@pytest.mark.parametrize("rounds", [1, 2])
+def test_hash_streams_of_related_keys_and_neighbours_are_unrelated(rounds):
+  """Within a stream, neighbouring pairs ``(u_i, u_i+1)`` fill an 8 x 8 grid evenly
+  (chi-square, 63 degrees of freedom, 6 sigma) and each of the 24 bits is set half the time.
+  With one round, raw keys one apart in either word (``PRNGKey(s)`` is ``[0, s]``) give
+  streams that are not shifted copies of each other (correlations at lags -3 to 3 within 6
+  standard errors). Two rounds do not pass that for words ``k0`` one bit apart: ``i ^ k0``
+  permutes neighbours (``[6, 3]`` against ``[7, 3]``: correlation 0.49 at lag 1)."""
+  count, lags = 1 << 16, range(-3, 4)
+  uniform_of = lambda words: np.asarray(hashing.hash_uniform(
+      jnp.asarray(words, jnp.uint32), (count + 6,), rounds=rounds), np.float64)
+  for first, second in (([0, 3], [0, 4]), ([6, 3], [7, 3]), ([0, 0], [0, 1 << 31])):
+    if rounds == 2 and first[0] != second[0]:
+      continue
+    a, b = uniform_of(first), uniform_of(second)
+    for lag in lags:
+      correlation = np.corrcoef(a[3:3 + count], b[3 + lag:3 + lag + count])[0, 1]
+      assert abs(correlation) < 6 / math.sqrt(count), (first, second, lag, correlation)
+  uniform = uniform_of([0, 3])
+  cells = np.bincount((uniform[:-1] * 8).astype(int) * 8 + (uniform[1:] * 8).astype(int),
+                      minlength=64)
+  expected = (uniform.size - 1) / 64
+  assert np.sum((cells - expected) ** 2 / expected) < 63 + 6 * math.sqrt(126)
+  bits = (uniform * 2**24).astype(np.int64)[:, None] >> np.arange(24) & 1
+  assert np.all(np.abs(bits.mean(axis=0) - 0.5) < 6 * 0.5 / math.sqrt(uniform.size))
 
 
 def test_hash_bits_accept_typed_keys_and_offsets():
@@ -310,21 +339,21 @@ def test_terngrad_sends_the_bytes_of_the_plain_formula():
 
 
 @pytest.mark.parametrize("levels, bucket", [(15, None), (15, 512), (4, 7), (127, 64)])
-@pytest.mark.parametrize("size", [5000, 3 * CODE_STEP + 1003])
+@pytest.mark.parametrize("size", [5000, 3 * chunks.NORM_STEP + 1003])
 def test_qsgd_sends_the_bytes_of_the_plain_formula(levels, bucket, size, monkeypatch, request):
-  """QSGD's payload is that of the per-element formula written out, bit for bit (a division
-  by the norm, not a multiplication by its reciprocal); the sizes leave a partial last
-  bucket, and the larger one, with buckets, takes the CPU's loop over steps (three and a
-  partial one) and, forced, the accelerators' single pass."""
+  """QSGD's payload is that of the per-element formula written out, bit for bit (``|x|``
+  times its bucket's ``s / norm``); the sizes leave a partial last bucket, and the larger
+  one, with buckets, takes the CPU's norms in a loop over steps (three and a partial one)
+  and, forced, the accelerators' row reduction."""
   key = jax.random.PRNGKey(12)
   x = (jax.random.normal(KEY, (size,)) * 3.0).at[:10].set(-0.0).at[700:800].set(0.0)
   bits = math.ceil(math.log2(levels + 1)) + 1
 
   @jax.jit
   def plain(x, norms):
-    norm = chunks.per_element(norms, size, bucket)
-    ratio = levels * jnp.abs(x) / jnp.where(norm > 0, norm, 1.0)
-    level = jnp.floor(ratio) + (hash_uniform(key, (size,)) < ratio - jnp.floor(ratio))
+    scale = chunks.per_element(levels / jnp.where(norms > 0, norms, 1.0), size, bucket)
+    ratio = jnp.abs(x) * scale
+    level = jnp.floor(ratio) + (hash_uniform(key, (size,), rounds=1) < ratio - jnp.floor(ratio))
     codes = jnp.clip(level, 0, levels).astype(jnp.uint8) | jnp.where(x < 0, 1 << (bits - 1), 0)
     return pack_bits(codes, bits)
 

@@ -8,7 +8,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from jaxcomm._src.compress import backends, chunks
+from jaxcomm._src.compress import chunks
 from jaxcomm._src.compress.base import Compressor, num_elements, stateless_init
 from jaxcomm._src.validation import check_int_range
 from jaxcomm._src.compress.hashing import bernoulli
@@ -27,14 +27,6 @@ class QSGDPayload(NamedTuple):
   norm: jax.Array
 
 
-# Elements per step of the CPU's encode loop (whole buckets; see qsgd's _codes_in_steps).
-CODE_STEP = 1 << 18
-
-
-def _step_elements(bucket: int) -> int:
-  return bucket * max(1, CODE_STEP // bucket)
-
-
 def qsgd_bits(levels: int) -> int:
   """Bits per element: ``ceil(log2(s + 1))`` for the level in ``[0, s]`` plus 1 for the sign."""
   return math.ceil(math.log2(levels + 1)) + 1
@@ -44,8 +36,9 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
   """QSGD with ``s = levels`` quantization levels, per tensor or per bucket.
 
   ``Q(g)_i = ||g||_2 * sign(g_i) * xi_i / s`` where, with ``r = s |g_i| / ||g||_2`` and
-  ``l = floor(r)``, ``xi_i = l + 1`` with probability ``r - l`` and ``l`` otherwise. A zero
-  norm sends zeros (no division by zero). With ``bucket``, the input is split into buckets of
+  ``l = floor(r)``, ``xi_i = l + 1`` with probability ``r - l`` and ``l`` otherwise; ``r`` is
+  computed as ``|g_i| * (s / ||g||_2)``, the scale rounded once per bucket. A zero norm sends
+  zeros (no division by zero). With ``bucket``, the input is split into buckets of
   that many elements, each quantized with its own norm (the paper's experiments use 512).
 
   Properties: unbiased, ``E[Q(g)] = g``, with variance
@@ -75,58 +68,30 @@ def qsgd(levels: int = 16, *, bucket: int | None = None) -> Compressor:
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    size = flat.shape[0]
     norms = chunks.l2_norms(flat, bucket)
-    # Each code (a division and a hash) computed once, not once per byte it overlaps
+    # One scale per bucket, so each element's ratio is a multiplication: a division by a
+    # broadcast norm per element is not fused into the codes by XLA's CPU backend, which
+    # wrote the ratios to a 64 MiB temporary at 16M (and took a loop over steps of 2^18
+    # elements to keep them in cache: encode at 16M in buckets of 512, 28 -> 20 ms of CPU).
+    scale = chunks.per_element(levels / jnp.where(norms > 0, norms, 1.0), flat.shape[0], bucket)
+    # Each code (a multiplication and a hash) computed once, not once per byte it overlaps
     # (1M elements, 6 bits: encode 2.3 -> 1.5 ms of CPU).
-    at_once = lambda flat, norms: materialized(
-        _codes(flat, chunks.per_element(norms, size, bucket), key, None))
-    if bucket is None or size < _step_elements(bucket):
-      codes = at_once(flat, norms)
-    else:
-      codes = backends.by_platform(lambda flat, norms: _codes_in_steps(flat, norms, key),
-                                   at_once, flat, norms)
+    codes = materialized(_codes(flat, scale, key))
     return QSGDPayload(pack_bits(codes, bits), norms), state
 
-  def _codes(flat, norm, key, index):
-    """The codes of ``flat`` given each element's ``norm``; ``index``: the elements' numbers
-    for the hash (``None``: their positions in ``flat``)."""
-    # Flat, the norm per element is a reshaped broadcast, which XLA keeps as a division; in
-    # rows of buckets (16M in buckets of 512: encode 66 -> 24 ms of CPU) it rewrites
-    # ``x / broadcast(norm)`` as ``x * broadcast(1 / norm)``, off by an ulp for about a third
-    # of the ratios, which flips a rounding about once in 16M elements.
-    ratio = levels * jnp.abs(flat) / jnp.where(norm > 0, norm, 1.0)
+  def _codes(flat, scale, key):
+    """The codes of ``flat`` given each element's ``scale``, ``s / ||g||`` of its bucket (1 for
+    a zero norm, whose elements are zero)."""
+    ratio = jnp.abs(flat) * scale
     floor = jnp.floor(ratio)
-    level = floor + bernoulli(key, ratio - floor, index=index)
+    # One round of hashing (hashing.bits_at): with two, the hash was most of the codes' time.
+    round_up = bernoulli(key, ratio - floor, rounds=1)
+    # The level in int32 (a NaN ratio converts to 0, as it did through a float clip): a float
+    # clip propagates NaNs with extra compares and blends per element (16M: encode -2.7 ms).
+    level = floor.astype(jnp.int32) + round_up
     # Rounding in the ratio can reach s + epsilon for a one-hot input; clip so the code fits.
-    level = jnp.clip(level, 0, levels).astype(jnp.uint8)
-    return level | jnp.where(flat < 0, jnp.uint8(sign_bit), jnp.uint8(0))
-
-  def _codes_in_steps(flat, norms, key):
-    """:func:`_codes` on the CPU, in a loop over steps of whole buckets (about 2^18
-    elements) that writes the codes into one buffer: over the whole input XLA's CPU backend
-    wrote the ratios to a 64 MiB temporary at 16M (the division is not fused into the
-    codes' reduction), page-faulted on every call; per step they stay in cache (16M in
-    buckets of 512: encode + decode 80 -> 41 ms of CPU). The same arithmetic per element."""
-    size, step = flat.shape[0], _step_elements(bucket)
-    per_step, full = step // bucket, size // step
-
-    def step_codes(start, values, step_norms):
-      norm = jnp.broadcast_to(step_norms[:, None], (step_norms.shape[0], bucket))
-      index = jax.lax.iota(jnp.uint32, values.shape[0]) + jnp.asarray(start).astype(jnp.uint32)
-      return _codes(values, norm.reshape(-1)[:values.shape[0]], key, index)
-
-    def add_step(i, codes):
-      values = jax.lax.dynamic_slice_in_dim(flat, i * step, step)
-      step_norms = jax.lax.dynamic_slice_in_dim(norms, i * per_step, per_step)
-      return jax.lax.dynamic_update_slice_in_dim(codes, step_codes(i * step, values, step_norms),
-                                                 i * step, 0)
-
-    codes = jax.lax.fori_loop(0, full, add_step, jnp.zeros_like(flat, jnp.uint8))
-    if full * step < size:
-      codes = codes.at[full * step:].set(
-          step_codes(full * step, flat[full * step:], norms[full * per_step:]))
-    return codes
+    level = jnp.minimum(level, levels)
+    return (level | jnp.where(flat < 0, sign_bit, 0)).astype(jnp.uint8)
 
   def decode(payload: QSGDPayload, shape) -> jax.Array:
     size = num_elements(shape)
