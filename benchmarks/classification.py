@@ -49,11 +49,11 @@ METHODS: dict[str, Callable[[int], optax.GradientTransformation]] = {
     "int8-two-phase": lambda seed: jaxcomm.compressed_allreduce(
         jaxcomm.quantize(8), strategy="two_phase", seed=seed),
     "sign-ef": lambda seed: jaxcomm.compressed_allreduce(jaxcomm.sign(), seed=seed),
-    # Unbiased, no error feedback: QSGD with one norm per tensor and per bucket of 512 (the
-    # paper's experiments), TernGrad.
+    # Unbiased, no error feedback: QSGD (a norm per bucket of 512 by default, and one norm per
+    # tensor), TernGrad.
     "qsgd": lambda seed: jaxcomm.compressed_allreduce(jaxcomm.compress.qsgd(16), seed=seed),
-    "qsgd-b512": lambda seed: jaxcomm.compressed_allreduce(
-        jaxcomm.compress.qsgd(16, bucket=512), seed=seed),
+    "qsgd-per-tensor": lambda seed: jaxcomm.compressed_allreduce(
+        jaxcomm.compress.qsgd(16, bucket=None), seed=seed),
     "terngrad": lambda seed: jaxcomm.compressed_allreduce(jaxcomm.compress.terngrad(),
                                                           seed=seed),
     # Per-chunk sign scales (docs/quality.md, section 11).

@@ -69,7 +69,7 @@ def catalog(compress=jaxcomm.compress) -> list[Compressor]:
       c.quantize(8),
       c.quantize(4, chunk=4096),
       c.quantize(2, stochastic=False, chunk=4096),
-      c.qsgd(15),
+      c.qsgd(15, bucket=None),
       c.qsgd(15, bucket=512),
       c.terngrad(),
       c.natural(),

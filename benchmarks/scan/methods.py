@@ -315,7 +315,8 @@ def _entries() -> list[Method]:
                   lambda s: jaxcomm.cast(jnp.bfloat16, axis_size=s.hosts)),
       _compressed("int8", "8-bit stochastic quantization across hosts (unbiased, no error "
                   "feedback)", lambda s: jaxcomm.quantize(8)),
-      _compressed("qsgd", "QSGD with 16 levels across hosts (unbiased, no error feedback)",
+      _compressed("qsgd", "QSGD with 16 levels and a norm per bucket of 512 across hosts "
+                  "(unbiased, no error feedback)",
                   lambda s: jaxcomm.compress.qsgd(16)),
       _compressed("terngrad", "TernGrad, 2 bits per element across hosts (unbiased, no error "
                   "feedback)", lambda s: jaxcomm.compress.terngrad()),
