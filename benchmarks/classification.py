@@ -56,6 +56,25 @@ METHODS: dict[str, Callable[[int], optax.GradientTransformation]] = {
         jaxcomm.compress.qsgd(16, bucket=512), seed=seed),
     "terngrad": lambda seed: jaxcomm.compressed_allreduce(jaxcomm.compress.terngrad(),
                                                           seed=seed),
+    # TernGrad's scalers (docs/quality.md, section 13): one per tensor, per bucket, and the
+    # paper's clipping at 2.5 standard deviations (biased: error feedback by default).
+    **{f"terngrad-{label}": functools.partial(
+        lambda seed, bucket, clip: jaxcomm.compressed_allreduce(
+            jaxcomm.compress.terngrad(bucket=bucket, clip=clip), seed=seed),
+        bucket=bucket, clip=clip)
+       for label, bucket, clip in (("tensor", None, None), ("b64", 64, None),
+                                   ("b128", 128, None), ("b512", 512, None),
+                                   ("clip2.5", None, 2.5), ("b512-clip2.5", 512, 2.5))},
+    # One scaler per tensor without error feedback: is it the residuals that diverge?
+    "terngrad-tensor-none": lambda seed: jaxcomm.compressed_allreduce(
+        jaxcomm.compress.terngrad(bucket=None, clip=None), feedback="none", seed=seed),
+    "terngrad-clip2.5-none": lambda seed: jaxcomm.compressed_allreduce(
+        jaxcomm.compress.terngrad(bucket=None, clip=2.5), feedback="none", seed=seed),
+    # Clipped, but exchanged as the unbiased ones are (two-phase, classic residuals): the
+    # bytes of two-phase on 8 hosts instead of gather's.
+    "terngrad-clip2.5-two-phase": lambda seed: jaxcomm.compressed_allreduce(
+        jaxcomm.compress.terngrad(clip=2.5), feedback="residual", strategy="two_phase",
+        seed=seed),
     # Per-chunk sign scales (docs/quality.md, section 11).
     **{f"sign-ef-chunk{chunk}": functools.partial(
         lambda seed, chunk: jaxcomm.compressed_allreduce(jaxcomm.sign(chunk), seed=seed),

@@ -28,6 +28,8 @@ CATALOG = {
     "qsgd": qsgd(4),
     "qsgd_bucketed": qsgd(3, bucket=4),
     "terngrad": terngrad(),
+    "terngrad_bucketed": terngrad(bucket=4),
+    "terngrad_clipped_tensor": terngrad(bucket=None, clip=1.5),
     "sign": sign(),
     "sign_vote": sign_vote(),
     "natural": natural(),
