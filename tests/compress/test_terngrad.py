@@ -1,5 +1,6 @@
 """TernGrad's scalers: per bucket (unbiased, the stated variance bucket by bucket, exact bytes,
-partial last buckets, agreed over an axis) and clipped at ``c`` standard deviations (biased)."""
+partial last buckets, agreed over an axis) and clipped at ``c`` standard deviations (the
+default, biased)."""
 
 import chex
 import jax
@@ -32,16 +33,19 @@ def _bucket_max(x, bucket):
 
 
 def test_bucketed_scalers_are_each_buckets_max_and_the_codes_ternary():
-  payload, _ = terngrad(bucket=5).encode(X, (), jax.random.PRNGKey(0))
+  compressor = terngrad(bucket=5, clip=None)
+  payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
   np.testing.assert_array_equal(payload.scaler, _bucket_max(X, 5))
-  decoded = np.asarray(terngrad(bucket=5).decode(payload, X.shape))
+  decoded = np.asarray(compressor.decode(payload, X.shape))
   scale = np.repeat(_bucket_max(X, 5), 5)[:13]
   assert set(np.unique(decoded / scale)) <= {-1.0, 0.0, 1.0}
 
 
 @pytest.mark.parametrize("bucket", [None, 5, 1])
 def test_unbiased_with_the_variance_of_each_bucket(bucket):
-  decoded = _decoded(terngrad(bucket=bucket), X)
+  compressor = terngrad(bucket=bucket, clip=None)
+  assert compressor.unbiased
+  decoded = _decoded(compressor, X)
   x = np.asarray(X, np.float64)
   mean, std = decoded.mean(0), decoded.std(0)
   # Five standard errors per element with fixed seeds: deterministic.
@@ -54,8 +58,8 @@ def test_unbiased_with_the_variance_of_each_bucket(bucket):
 
 def test_buckets_keep_one_outlier_from_inflating_the_others():
   x = np.asarray(X, np.float64)
-  tensor = np.mean(np.sum((_decoded(terngrad(), X) - x) ** 2, axis=1))
-  bucketed = np.mean(np.sum((_decoded(terngrad(bucket=5), X) - x) ** 2, axis=1))
+  tensor = np.mean(np.sum((_decoded(terngrad(clip=None), X) - x) ** 2, axis=1))
+  bucketed = np.mean(np.sum((_decoded(terngrad(bucket=5, clip=None), X) - x) ** 2, axis=1))
   assert bucketed < 0.5 * tensor
 
 
@@ -71,7 +75,7 @@ def test_wire_bytes_are_the_payloads_and_the_formula(size, bucket):
 
 
 def test_shared_scale_agrees_on_every_buckets_scaler_under_a_named_axis():
-  compressor = terngrad(bucket=5, shared_scale=True)
+  compressor = terngrad(bucket=5, clip=None, shared_scale=True)
   inputs = jnp.stack([X, -3.0 * X[::-1]])
 
   def encode(x, key):
@@ -88,7 +92,7 @@ def test_shared_scale_agrees_on_every_buckets_scaler_under_a_named_axis():
 
 
 def test_clip_bounds_the_scaler_at_c_standard_deviations_and_is_biased():
-  compressor = terngrad(clip=2.5)
+  compressor = terngrad()  # the default: clip=2.5
   assert not compressor.unbiased
   payload, _ = compressor.encode(X, (), jax.random.PRNGKey(0))
   sigma = float(jnp.sqrt(jnp.mean(jnp.square(X))))
@@ -109,12 +113,13 @@ def test_clip_keeps_constant_and_one_element_tensors():
 
 
 def test_clip_makes_compressed_allreduce_choose_error_feedback():
-  assert _feedback_for("auto", terngrad()) == "residual"
-  assert _feedback_for("auto", terngrad(bucket=512)) == "residual"
-  assert _feedback_for("auto", terngrad(clip=2.5)) in ("estimate", "bounded")
+  assert _feedback_for("auto", terngrad(clip=None)) == "residual"
+  assert _feedback_for("auto", terngrad(bucket=512, clip=None)) == "residual"
+  assert _feedback_for("auto", terngrad()) in ("estimate", "bounded")
 
 
 def test_names_state_the_settings():
   assert terngrad(bucket=None, clip=None).name == "terngrad()"
+  assert terngrad().name == "terngrad(clip=2.5)"
   assert terngrad(bucket=64, clip=2.5, shared_scale=True).name == (
       "terngrad(bucket=64, clip=2.5, shared_scale=True)")
