@@ -81,18 +81,22 @@ def terngrad(*, bucket: int | None = None, clip: float | None = 2.5,
 
   def encode(x: jax.Array, state, key: jax.Array):
     flat = x.reshape(-1).astype(jnp.float32)
-    if clip is not None:
-      # sigma about zero (root mean square), not about the mean: the same for gradients, whose
-      # mean is near zero, but a constant or one-element tensor is not clipped to zero.
-      bound = clip * jnp.sqrt(jnp.mean(jnp.square(flat)))
-      flat = jnp.clip(flat, -bound, bound)
+    # sigma about zero (root mean square), not about the mean: the same for gradients, whose
+    # mean is near zero, but a constant or one-element tensor is not clipped to zero.
+    bound = None if clip is None else clip * jnp.sqrt(jnp.mean(jnp.square(flat)))
     scaler = chunks.max_abs(flat, bucket)
+    if bound is not None:
+      # The clipped tensor is never written out: max |h| = min(max |g|, bound), and |h_i| is
+      # taken inside the codes. Clipping first cost 5.3 ms of CPU against 2.9 unclipped
+      # (encode, 4M elements, a busy CPU); this way 1.6 against 1.4 (a quieter one).
+      scaler = jnp.minimum(scaler, bound)
     if shared_scale:
       # One pmax of the vector: every bucket's scaler agreed at once.
       scaler = axis_context().agree_max(scaler)
 
     def codes_at(index, flat, scale):
-      keep = hash_uniform(key, flat.shape, index=index) * scale < jnp.abs(flat)
+      magnitude = jnp.abs(flat) if bound is None else jnp.minimum(jnp.abs(flat), bound)
+      keep = hash_uniform(key, flat.shape, index=index) * scale < magnitude
       return jnp.where(keep, jnp.where(flat < 0, 2, 1), 0)
 
     scale = chunks.per_element(scaler, flat.shape[0], bucket)
