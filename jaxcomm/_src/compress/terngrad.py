@@ -1,4 +1,5 @@
-"""TernGrad: unbiased stochastic ternarization with 2-bit codes, one scaler per bucket."""
+"""TernGrad: stochastic ternarization with 2-bit codes of the entries clipped at c standard
+deviations, one scaler per tensor or per bucket."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ class TernGradPayload(NamedTuple):
 
   Attributes:
     codes: uint8 of shape ``(ceil(d / 4),)``: 2-bit codes, 0 for 0, 1 for +1, 2 for -1.
-    scaler: float32 of shape ``(buckets,)``: ``s = max |g|`` of each bucket (over the axis
-      when shared); ``buckets = 1`` without buckets.
+    scaler: float32 of shape ``(buckets,)``: ``s = max |h|`` of each bucket, ``h`` the
+      clipped entries (over the axis when shared); ``buckets = 1`` without buckets.
   """
   codes: jax.Array
   scaler: jax.Array
