@@ -318,8 +318,9 @@ def _entries() -> list[Method]:
       _compressed("qsgd", "QSGD with 16 levels and a norm per bucket of 512 across hosts "
                   "(unbiased, no error feedback)",
                   lambda s: jaxcomm.compress.qsgd(16)),
-      _compressed("terngrad", "TernGrad, 2 bits per element across hosts (unbiased, no error "
-                  "feedback)", lambda s: jaxcomm.compress.terngrad()),
+      _compressed("terngrad", "TernGrad with the library's default (clipped at 2.5 standard "
+                  "deviations: biased), 2 bits per element across hosts, no error feedback",
+                  lambda s: jaxcomm.compress.terngrad()),
       _compressed("sign-ef", "scaled 1-bit sign across hosts, error feedback, all-gather",
                   lambda s: jaxcomm.sign(), strategy="gather", feedback=True),
       _compressed("sign-ef-2p", "scaled 1-bit sign, error feedback, two-phase (all-to-all, "

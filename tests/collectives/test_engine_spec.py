@@ -55,11 +55,13 @@ def test_every_strategy_with_the_identity_compressor_is_the_dense_mean(strategy,
 
 # Compressors covering one-leaf and several-leaf payloads, a replicated field that a psum does
 # not send (shared random-k's key, shared int8's scale), integer codes (sign's packed bits,
-# int8 summed without widening) and scales agreed over the axis (a pmax each).
+# int8 summed without widening) and scales agreed over the axis (a pmax each; one of a vector
+# for TernGrad's per-bucket scalers).
 LINEAR = [jaxcomm.identity(), jaxcomm.compress.randomk(0.1, scale=False),
           jaxcomm.compress.shared_quantize()]
 NONLINEAR = [jaxcomm.identity(), jaxcomm.topk(0.1), jaxcomm.sign(), jaxcomm.quantize(8),
-             jaxcomm.compress.terngrad(shared_scale=True)]
+             jaxcomm.compress.terngrad(shared_scale=True),
+             jaxcomm.compress.terngrad(bucket=64, shared_scale=True)]
 CASES = ([(Dense(), None), (Dense(implementation="psum"), None)]
          + [(Linear(), c) for c in LINEAR]
          + [(s, c) for s in (Gather(), TwoPhase()) for c in NONLINEAR]

@@ -67,6 +67,9 @@ BYTES = {
     "qsgd_bucketed": lambda s: (-(-_size(s) * (math.ceil(math.log2(3 + 1)) + 1) // 8)
                                 + 4 * -(-_size(s) // 4)),
     "terngrad": lambda s: -(-_size(s) // 4) + 4,
+    "terngrad_unclipped": lambda s: -(-_size(s) // 4) + 4,
+    "terngrad_bucketed": lambda s: -(-_size(s) // 4) + 4 * -(-_size(s) // 4),
+    "terngrad_bucketed_clipped": lambda s: -(-_size(s) // 4) + 4 * -(-_size(s) // 4),
     "sign": lambda s: -(-_size(s) // 8) + 4,
     "sign_vote": lambda s: -(-_size(s) // 8),
     "natural": lambda s: _size(s) + -(-_size(s) // 8),

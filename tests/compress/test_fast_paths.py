@@ -323,18 +323,22 @@ def test_quantize_sends_the_bytes_of_the_plain_formula(bits, stochastic, chunk):
                                 np.asarray(scales).view(np.uint32))
 
 
-def test_terngrad_sends_the_bytes_of_the_plain_formula():
+@pytest.mark.parametrize("clip", [None, 2.5])
+def test_terngrad_sends_the_bytes_of_the_plain_formula(clip):
   size = 1001
-  x = jax.random.normal(KEY, (size,)).at[:10].set(-0.0)
+  x = jax.random.normal(KEY, (size,)).at[:10].set(-0.0).at[20].set(9.0)
   key = jax.random.PRNGKey(12)
 
   @jax.jit
   def plain(x):
+    if clip is not None:
+      bound = clip * jnp.sqrt(jnp.mean(x * x))
+      x = jnp.clip(x, -bound, bound)
     scaler = jnp.max(jnp.abs(x), initial=0.0)
     keep = hash_uniform(key, x.shape) * scaler < jnp.abs(x)
     return pack_bits(jnp.where(keep, jnp.where(x < 0, 2, 1), 0), 2)
 
-  payload, _ = jax.jit(terngrad().encode)(x, (), key)
+  payload, _ = jax.jit(terngrad(clip=clip).encode)(x, (), key)
   np.testing.assert_array_equal(payload.codes, plain(x))
 
 

@@ -195,6 +195,13 @@ BAD_CONFIGS = [
     (lambda: cast(jnp.float16, axis_size=0), ValueError, "axis_size"),
     (lambda: cast(jnp.float8_e4m3fn, axis_size=2, scaled=True), ValueError, "axis_size"),
     (lambda: terngrad(shared_scale=3), TypeError, "shared_scale"),
+    (lambda: terngrad(bucket=0), ValueError, "bucket must be >= 1, got 0"),
+    (lambda: terngrad(bucket=2.5), TypeError, "bucket must be an int, got 2.5"),
+    (lambda: terngrad(bucket=True), TypeError, "bucket"),
+    (lambda: terngrad(clip=-1), ValueError, r"clip must be a finite float > 0, got -1"),
+    (lambda: terngrad(clip=0.0), ValueError, "clip"),
+    (lambda: terngrad(clip=float("inf")), ValueError, "clip"),
+    (lambda: terngrad(clip="2.5"), TypeError, "clip must be a float, got '2.5'"),
     (lambda: compose(topk(0.1), "int8"), TypeError, "quantizer"),
 ]
 

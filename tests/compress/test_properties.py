@@ -51,7 +51,7 @@ UNBIASED = {
     # name: (compressor, variance bound as a multiple of ||x||^2)
     "qsgd": (qsgd(4), min(SIZE / 16, math.sqrt(SIZE) / 4)),
     "qsgd_bucketed": (qsgd(2, bucket=5), min(5 / 4, math.sqrt(5) / 2)),
-    "terngrad": (terngrad(), float(jnp.max(jnp.abs(X))) * _l1(X) / _sq(X) - 1.0),
+    "terngrad": (terngrad(clip=None), float(jnp.max(jnp.abs(X))) * _l1(X) / _sq(X) - 1.0),
     "natural": (natural(), 1.0 / 8.0),
     "int4": (quantize(4), SIZE * (2 * float(jnp.max(jnp.abs(X))) / 14) ** 2 / 4 / _sq(X)),
     "randomk": (randomk(0.25, shared=False), SIZE / 4 - 1.0),
@@ -180,7 +180,7 @@ def _over_devices(fn):
 
 
 def test_terngrad_shared_scaler_under_a_named_axis():
-  compressor = terngrad(shared_scale=True)
+  compressor = terngrad(clip=None, shared_scale=True)
   inputs = jnp.stack([X, 3.0 * X])
   payloads, _ = jax.vmap(_over_devices(compressor.encode), in_axes=(0, None, None),
                          axis_name="devices")(inputs, (), jax.random.PRNGKey(0))

@@ -30,6 +30,7 @@ COMPRESSORS = {
     "sign": compress.sign(), "sign-chunk": compress.sign(chunk=3), "sign-vote": compress.sign_vote(),
     "qsgd": compress.qsgd(4), "quantize": compress.quantize(4),
     "quantize-chunk": compress.quantize(8, chunk=5), "terngrad": compress.terngrad(),
+    "terngrad-bucket": compress.terngrad(bucket=5, clip=None),
     "threshold": compress.threshold(0.5), "adaptive-threshold": compress.adaptive_threshold(0.3),
     "count-sketch": compress.count_sketch(8, 3), "count-sketch-heavy": compress.count_sketch(8, 3, heavy=0.3),
     "powersgd": compress.powersgd(1, min_compression_rate=1.0),
