@@ -353,7 +353,9 @@ def reduce_shards(xs: Sequence[jax.Array], topologies: Sequence[Sequence[Level]]
           nonfinite[b] = has_nonfinite(shards[b])
       elif axis_size == 1:
         shards[b] = jax.lax.psum(shards[b], axis)  # one device: a no-op that marks it reduced
-      elif strategies.batches(strategy):
+      elif strategies.batches(strategy) and shards[b].size:
+        # (An empty shard is summed alone: in a shared collective its zero-size reduce-scatter
+        # above would be read and could not be lowered.)
         batched.setdefault(strategy, []).append(b)
       else:
         shards[b], new_states[b][index] = strategy.apply(
