@@ -55,8 +55,7 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     # branch several times slower.
     fitting = compact_words(words, flat.shape[0], slots)
     indices = jax.lax.cond(passed <= slots, lambda: fitting,
-                           lambda: largest_k(jnp.where(jnp.abs(flat) >= threshold, flat, 0.0),
-                                             slots, by_magnitude=True))
+                           lambda: largest_k(flat, slots, at_least=threshold))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
     indices = jnp.where(used, indices, 0)
