@@ -358,24 +358,26 @@ def _exact_in_pieces(row: jax.Array, k: int, magnitude) -> jax.Array:
   of each piece (a loop), then the ``k`` largest of those candidates. The same set, ties
   included: a piece holds at most ``k`` of the row's ``k`` largest, all among its own ``k``
   largest, and ``jax.lax.top_k`` lists equal values by increasing position, so the candidates
-  of equal value keep the row's order."""
+  of equal value keep the row's order.
+
+  The loop keeps only the candidates' positions, and their magnitudes are gathered from the
+  row after it: stacked beside the positions they were another ``4 k`` bytes per piece while
+  the loop's piece was live (the threshold's encode at 16M, 2% slots: 31.0 -> 23.0 MiB of
+  temporaries)."""
   size = row.shape[0]
   full = size // EXACT_PIECE
 
   def piece_top(piece):
     start = piece * EXACT_PIECE
-    values, where = jax.lax.top_k(magnitude(
-        jax.lax.dynamic_slice_in_dim(row, start, EXACT_PIECE)), k)
-    return values, where + start
+    return jax.lax.top_k(magnitude(jax.lax.dynamic_slice_in_dim(row, start, EXACT_PIECE)),
+                         k)[1] + start
 
-  values, where = jax.lax.map(piece_top, jnp.arange(full, dtype=jnp.int32))
-  values, where = values.reshape(-1), where.reshape(-1)
+  where = jax.lax.map(piece_top, jnp.arange(full, dtype=jnp.int32)).reshape(-1)
   if full * EXACT_PIECE < size:
-    tail, tail_where = jax.lax.top_k(magnitude(row[full * EXACT_PIECE:]),
-                                     min(k, size - full * EXACT_PIECE))
-    values = jnp.concatenate([values, tail])
+    tail_where = jax.lax.top_k(magnitude(row[full * EXACT_PIECE:]),
+                               min(k, size - full * EXACT_PIECE))[1]
     where = jnp.concatenate([where, tail_where + full * EXACT_PIECE])
-  return jnp.sort(where[jax.lax.top_k(values, k)[1]]).astype(jnp.int32)
+  return jnp.sort(where[jax.lax.top_k(magnitude(row[where]), k)[1]]).astype(jnp.int32)
 
 
 def _magnitude_of(by_magnitude: bool, at_least: jax.Array | None):
