@@ -336,14 +336,14 @@ def _exact(magnitude: jax.Array, k: int) -> jax.Array:
 
 def _fallback(values: jax.Array, k: int, magnitude) -> jax.Array:
   """:func:`largest_k`'s exact branch for ``(rows, d)`` ``values``: ``jax.lax.top_k`` of the
-  magnitudes, recomputed from ``values`` by ``magnitude`` (elementwise). On the CPU row by row (``jax.lax.map``), and a
-  long row in pieces (:func:`_exact_in_pieces`): for the whole input at once the magnitudes
-  were a temporary of its size, and although the branch is rarely taken, XLA's CPU runtime
-  allocates every call's temporaries as one block, which that size put above glibc's mmap
-  threshold, so the fast path's own small temporaries were page-faulted afresh on every call
-  (chunked top-k at 16M: 65 -> 14 MiB of temporaries, encode + decode 43.8 -> 36.6 ms of
-  CPU; ``topk(0.01)``, one row: 64 -> 18 MiB, 26.5 -> 21.0 ms). Accelerators keep the
-  batched call."""
+  magnitudes, recomputed from ``values`` by the elementwise ``magnitude``. On the CPU row by
+  row (``jax.lax.map``), and a long row in pieces (:func:`_exact_in_pieces`): for the whole
+  input at once the magnitudes were a temporary of its size, and although the branch is
+  rarely taken, XLA's CPU runtime allocates every call's temporaries as one block, which that
+  size put above glibc's mmap threshold, so the fast path's own small temporaries were
+  page-faulted afresh on every call (chunked top-k at 16M: 65 -> 14 MiB of temporaries,
+  encode + decode 43.8 -> 36.6 ms of CPU; ``topk(0.01)``, one row: 64 -> 18 MiB, 26.5 ->
+  21.0 ms). Accelerators keep the batched call."""
 
   def on_cpu(rows):
     if rows.shape[0] == 1 and k < EXACT_PIECE < rows.shape[1] // 2:
