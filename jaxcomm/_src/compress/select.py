@@ -334,17 +334,16 @@ def _exact(magnitude: jax.Array, k: int) -> jax.Array:
   return jnp.sort(jax.lax.top_k(magnitude, k)[1], axis=-1).astype(jnp.int32)
 
 
-def _fallback(values: jax.Array, k: int, by_magnitude: bool) -> jax.Array:
+def _fallback(values: jax.Array, k: int, magnitude) -> jax.Array:
   """:func:`largest_k`'s exact branch for ``(rows, d)`` ``values``: ``jax.lax.top_k`` of the
-  magnitudes, recomputed from ``values``. On the CPU row by row (``jax.lax.map``), and a
-  long row in pieces (:func:`_exact_in_pieces`): for the whole input at once the magnitudes
-  were a temporary of its size, and although the branch is rarely taken, XLA's CPU runtime
-  allocates every call's temporaries as one block, which that size put above glibc's mmap
-  threshold, so the fast path's own small temporaries were page-faulted afresh on every call
-  (chunked top-k at 16M: 65 -> 14 MiB of temporaries, encode + decode 43.8 -> 36.6 ms of
-  CPU; ``topk(0.01)``, one row: 64 -> 18 MiB, 26.5 -> 21.0 ms). Accelerators keep the
-  batched call."""
-  magnitude = jnp.abs if by_magnitude else (lambda rows: rows)
+  magnitudes, recomputed from ``values`` by the elementwise ``magnitude``. On the CPU row by
+  row (``jax.lax.map``), and a long row in pieces (:func:`_exact_in_pieces`): for the whole
+  input at once the magnitudes were a temporary of its size, and although the branch is
+  rarely taken, XLA's CPU runtime allocates every call's temporaries as one block, which that
+  size put above glibc's mmap threshold, so the fast path's own small temporaries were
+  page-faulted afresh on every call (chunked top-k at 16M: 65 -> 14 MiB of temporaries,
+  encode + decode 43.8 -> 36.6 ms of CPU; ``topk(0.01)``, one row: 64 -> 18 MiB, 26.5 ->
+  21.0 ms). Accelerators keep the batched call."""
 
   def on_cpu(rows):
     if rows.shape[0] == 1 and k < EXACT_PIECE < rows.shape[1] // 2:
@@ -359,24 +358,34 @@ def _exact_in_pieces(row: jax.Array, k: int, magnitude) -> jax.Array:
   of each piece (a loop), then the ``k`` largest of those candidates. The same set, ties
   included: a piece holds at most ``k`` of the row's ``k`` largest, all among its own ``k``
   largest, and ``jax.lax.top_k`` lists equal values by increasing position, so the candidates
-  of equal value keep the row's order."""
+  of equal value keep the row's order.
+
+  The loop keeps only the candidates' positions, and their magnitudes are gathered from the
+  row after it: stacked beside the positions they were another ``4 k`` bytes per piece while
+  the loop's piece was live (the threshold's encode at 16M, 2% slots: 31.0 -> 23.0 MiB of
+  temporaries)."""
   size = row.shape[0]
   full = size // EXACT_PIECE
 
   def piece_top(piece):
     start = piece * EXACT_PIECE
-    values, where = jax.lax.top_k(magnitude(
-        jax.lax.dynamic_slice_in_dim(row, start, EXACT_PIECE)), k)
-    return values, where + start
+    return jax.lax.top_k(magnitude(jax.lax.dynamic_slice_in_dim(row, start, EXACT_PIECE)),
+                         k)[1] + start
 
-  values, where = jax.lax.map(piece_top, jnp.arange(full, dtype=jnp.int32))
-  values, where = values.reshape(-1), where.reshape(-1)
+  where = jax.lax.map(piece_top, jnp.arange(full, dtype=jnp.int32)).reshape(-1)
   if full * EXACT_PIECE < size:
-    tail, tail_where = jax.lax.top_k(magnitude(row[full * EXACT_PIECE:]),
-                                     min(k, size - full * EXACT_PIECE))
-    values = jnp.concatenate([values, tail])
+    tail_where = jax.lax.top_k(magnitude(row[full * EXACT_PIECE:]),
+                               min(k, size - full * EXACT_PIECE))[1]
     where = jnp.concatenate([where, tail_where + full * EXACT_PIECE])
-  return jnp.sort(where[jax.lax.top_k(values, k)[1]]).astype(jnp.int32)
+  return jnp.sort(where[jax.lax.top_k(magnitude(row[where]), k)[1]]).astype(jnp.int32)
+
+
+def _magnitude_of(by_magnitude: bool, at_least: jax.Array | None):
+  """The elementwise function whose ``k`` largest :func:`largest_k` finds."""
+  if at_least is None:
+    return jnp.abs if by_magnitude else (lambda values: values)
+  # A compare with NaN is false: NaN counts as 0, as in the threshold compressors' mask.
+  return lambda values: jnp.where(jnp.abs(values) >= at_least, jnp.abs(values), 0.0)
 
 
 def fast_plan(size: int, k: int) -> tuple[int, int, int] | None:
@@ -398,51 +407,58 @@ def fast_path_holds(counts: jax.Array, k: int, slots: int, threshold: jax.Array)
   return jnp.all((counts >= k) & (counts <= slots) & normal)
 
 
-def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False) -> jax.Array:
+def largest_k(values: jax.Array, k: int, *, by_magnitude: bool = False,
+              at_least: jax.Array | None = None) -> jax.Array:
   """Positions of the ``k`` largest entries of each row, in increasing order.
 
   Exactly the set ``jax.lax.top_k(values, k)`` picks in each row (ties to the lower
   position), for ``values >= 0`` without NaN; sorted by position instead of by value. With
-  ``by_magnitude``, the same for ``|values|`` (any sign): the absolute value is then taken
-  inside each pass rather than materialized, which saves a d-sized temporary (on the CPU
-  backend, a fresh one is page-faulted on every call).
+  ``by_magnitude``, the same for ``|values|`` (any sign); with ``at_least``, for
+  ``where(|values| >= at_least, |values|, 0)`` (NaN counted as 0; the threshold
+  compressors' overflow). Such magnitudes are taken inside each pass rather than
+  materialized, which saves a d-sized temporary (on the CPU backend, a fresh one is
+  page-faulted on every call).
 
   Args:
     values: float32 of shape ``(d,)`` or ``(rows, d)``; non-negative unless ``by_magnitude``.
     k: static count per row, ``1 <= k <= d``.
     by_magnitude: rank by ``|values|``.
+    at_least: float32 scalar or None: rank by magnitude, those below it (and NaN) as 0.
 
   Returns:
     int32 of shape ``(k,)`` or ``(rows, k)``.
   """
   if values.ndim == 1:
-    return largest_k(values[None], k, by_magnitude=by_magnitude)[0]
-  magnitude = (lambda: jnp.abs(values)) if by_magnitude else (lambda: values)
+    return largest_k(values[None], k, by_magnitude=by_magnitude, at_least=at_least)[0]
+  magnitude = _magnitude_of(by_magnitude, at_least)
   size = values.shape[1]
   plan = fast_plan(size, k)
   if plan is None:
-    return _exact(magnitude(), k)
+    return _exact(magnitude(values), k)
   sample, rank, slots = plan
   positions = sample_positions(size, sample)
-  bits = jax.lax.bitcast_convert_type(magnitude(), jnp.int32)
-  threshold = jax.lax.bitcast_convert_type(kth_largest_bits(bits[:, positions], rank),
+  # Magnitudes are taken of what is read (the sample, the words' pass, the candidates), so
+  # that no consumer needs them over the whole row: XLA's CPU backend wrote a magnitude of
+  # several operations (`at_least`'s) into a d-sized temporary for its three consumers.
+  bits = lambda read: jax.lax.bitcast_convert_type(magnitude(read), jnp.int32)
+  threshold = jax.lax.bitcast_convert_type(kth_largest_bits(bits(values[:, positions]), rank),
                                            jnp.float32)
   # The candidates are packed into bit words once: their population counts give both the
   # count checked below and the compaction (a separate count over d cost 4x the packing).
   # For a normal threshold (checked below) the float compare passes exactly the elements
   # whose bits are at or above the threshold's, NaN included.
-  words = words_at_least(magnitude(), threshold)
+  words = words_at_least(magnitude(values), threshold)
   counts = jnp.sum(jax.lax.population_count(words).astype(jnp.int32), axis=1)
 
-  def candidates(row_bits, row_words):
+  def candidates(row, row_words):
     where = compact_words(row_words, size, slots)
-    return where, jnp.where(where < size, row_bits[jnp.minimum(where, size - 1)], -1)
+    return where, jnp.where(where < size, bits(row[jnp.minimum(where, size - 1)]), -1)
 
   # The fast path runs outside the conditional: inside a branch, XLA's CPU backend ran it
   # about 4x slower (55 vs 13 ms at 4M elements), so the branch only picks the result. The
   # exact branch recomputes the magnitudes from `values`, so that they need not be kept.
-  where, buffer = jax.vmap(candidates)(bits, words)
+  where, buffer = jax.vmap(candidates)(values, words)
   kth = kth_largest_bits(buffer, k)
   fast = jax.vmap(lambda w, b, t: w[_top_of_buffer(b, k, t)])(where, buffer, kth)
   return jax.lax.cond(fast_path_holds(counts, k, slots, threshold), lambda: fast,
-                      lambda: _fallback(values, k, by_magnitude))
+                      lambda: _fallback(values, k, magnitude))

@@ -52,11 +52,13 @@ def _threshold_compressor(threshold_of: Callable[[jax.Array, jax.Array], jax.Arr
     # When they fit, the elements above the threshold are compacted in index order (linear
     # time); when more pass, the largest of them win the slots (exact linear-time top-k).
     # The compaction runs outside the conditional: XLA's CPU backend runs work inside a
-    # branch several times slower.
+    # branch several times slower. The overflow branch ranks the masked magnitudes inside
+    # largest_k's passes (at_least): a masked copy of x was a d-element temporary that, though
+    # the branch is rarely taken, put the call's whole block of temporaries (95 MiB at 16M)
+    # above glibc's mmap threshold, so the usual path's few MiB were page-faulted every call.
     fitting = compact_words(words, flat.shape[0], slots)
     indices = jax.lax.cond(passed <= slots, lambda: fitting,
-                           lambda: largest_k(jnp.where(jnp.abs(flat) >= threshold, flat, 0.0),
-                                             slots, by_magnitude=True))
+                           lambda: largest_k(flat, slots, at_least=threshold))
     count = jnp.minimum(passed, slots)
     used = jnp.arange(slots) < count
     indices = jnp.where(used, indices, 0)
