@@ -54,10 +54,21 @@ def _inputs():
   return [jax.random.normal(jax.random.PRNGKey(i), (8, size)) for i, size in enumerate(SIZES)]
 
 
+def _two_phase_topologies(implementation):
+  two_phase = TwoPhase(implementation)
+  return [(level("local"), level("host", jaxcomm.topk(0.1), strategy=two_phase)),
+          (level("local"), level("host", jaxcomm.quantize(8), strategy=two_phase,
+                                 feedback=False)),
+          (level("local"), level("host", jaxcomm.topk(0.2), strategy=two_phase)),
+          (level("local"), level("host", jaxcomm.identity(), strategy="linear"))]
+
+
 @pytest.mark.parametrize("implementation", ["all_gather", "psum"])
-def test_one_call_equals_one_call_per_array_exactly(implementation):
+@pytest.mark.parametrize("topologies_of", [_topologies, _two_phase_topologies],
+                         ids=["gather", "two_phase"])
+def test_one_call_equals_one_call_per_array_exactly(topologies_of, implementation):
   mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  topologies = _topologies(implementation)
+  topologies = topologies_of(implementation)
   together = _run(mesh, topologies, True)(*_inputs())
   alone = _run(mesh, topologies, False)(*_inputs())
   chex.assert_trees_all_equal(together, alone)
@@ -78,24 +89,6 @@ def test_gather_levels_send_one_collective_of_every_payload():
            for levels, size in zip(topologies, SIZES)]
   assert report.link_bytes() == pytest.approx(
       {axis: 2 * sum(cost[axis].nbytes for cost in alone) for axis in AXES}, rel=1e-12)
-
-
-def _two_phase_topologies(implementation):
-  two_phase = TwoPhase(implementation)
-  return [(level("local"), level("host", jaxcomm.topk(0.1), strategy=two_phase)),
-          (level("local"), level("host", jaxcomm.quantize(8), strategy=two_phase,
-                                 feedback=False)),
-          (level("local"), level("host", jaxcomm.topk(0.2), strategy=two_phase)),
-          (level("local"), level("host", jaxcomm.identity(), strategy="linear"))]
-
-
-@pytest.mark.parametrize("implementation", ["all_gather", "psum"])
-def test_two_phase_levels_equal_one_call_per_array_exactly(implementation):
-  mesh = jaxcomm.make_mesh(hosts=2, local=4)
-  topologies = _two_phase_topologies(implementation)
-  together = _run(mesh, topologies, True)(*_inputs())
-  alone = _run(mesh, topologies, False)(*_inputs())
-  chex.assert_trees_all_equal(together, alone)
 
 
 def test_two_phase_levels_send_one_all_to_all_and_one_all_gather_of_every_payload():
