@@ -14,12 +14,21 @@ from jaxcomm._src.compress import powersgd as powersgd_module
 from platform_paths import use_accelerator_path
 
 
+def former_outer_sum_rows(p, q):
+  """Session 19's decode: ``p``'s columns read where they lie (stride ``r``)."""
+  total = q[:, None, 0] * p[None, :, 0]
+  for column in range(1, q.shape[-1]):
+    total = total + q[:, None, column] * p[None, :, column]
+  return total
+
+
 @settings(max_examples=15, deadline=None)
 @given(n=st.integers(1, 70), m=st.integers(1, 40), rank=st.integers(1, 4),
        block=st.sampled_from([1, 16, 64, 200]), seed=st.integers(0, 2**16))
 def test_blocked_subtraction_is_the_plain_expression_bit_for_bit(n, m, rank, block, seed):
   """Blocks of ``block`` elements (so one block, several, and several with a shorter tail),
-  against ``rows - outer_sum_rows(p, q)`` exactly and the float64 product up to rounding."""
+  against ``rows - outer_sum_rows(p, q)`` and the former expression (``p`` not transposed)
+  exactly, and the float64 product up to rounding."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 3)
   rows = jax.random.normal(keys[0], (n, m))
   p = jax.random.normal(keys[1], (m, rank))
@@ -28,6 +37,8 @@ def test_blocked_subtraction_is_the_plain_expression_bit_for_bit(n, m, rank, blo
     blocked = jax.jit(powersgd_module.subtract_outer_sum_rows)(rows, p, q)
   plain = jax.jit(lambda rows, p, q: rows - powersgd_module.outer_sum_rows(p, q))(rows, p, q)
   np.testing.assert_array_equal(blocked, plain)
+  former = jax.jit(lambda rows, p, q: rows - former_outer_sum_rows(p, q))(rows, p, q)
+  np.testing.assert_array_equal(blocked, former)
   dense = np.asarray(rows, np.float64) - np.asarray(q, np.float64) @ np.asarray(p, np.float64).T
   np.testing.assert_allclose(blocked, dense, rtol=1e-5, atol=1e-5)
 
