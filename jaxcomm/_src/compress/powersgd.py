@@ -76,9 +76,6 @@ def as_rows(x: jax.Array) -> jax.Array:
   """
   return x.reshape(-1, x.shape[-1])
 
-
-# Rows of ``M^T`` per block in :func:`project_rows`.
-PROJECT_BLOCK = 256
 # Every product here is float32 at full precision. On GPUs jax's default float32 product is
 # TF32 (an 11-bit significand, about 1e-3 relative error): on an H200 it broke the projection
 # tests at 1e-4 (session 15). The products are r wide and bound by reading M, so this costs
@@ -102,25 +99,18 @@ def project_rows_t(rows: jax.Array, q: jax.Array) -> jax.Array:
   computes it so (no transposed copy), :func:`orthogonalize_t` reduces along the minor axis,
   and the products contract it as it lies.
 
-  This contracts ``rows``' leading axis, a GEMM with a transposed operand, which XLA's CPU
-  backend ran at about 1.2 GB/s (a 4096 x 4096 float32 ``M``, ``r = 4``: 55 ms of CPU). Where
-  ``n`` is a multiple of ``PROJECT_BLOCK`` of at least two blocks, the rows are cut into
-  blocks, each block's ``Q^T`` times rows is one batched product with ``m`` the minor axis,
-  and the blocks' products are summed: 7 ms there. Equal up to float rounding (another
-  order of the same sums). Up to ``RANK_ONE_ROWS`` rows (the collective's row blocks of small
-  models) it is :func:`rank_one_sum`, the plain product's sums in its order (bit for bit on
-  charlm's blocks); other ``n`` run the plain product.
+  Up to ``RANK_ONE_ROWS`` rows (the collective's row blocks of small models) it is
+  :func:`rank_one_sum`, the product's sums in its order (bit for bit on charlm's blocks);
+  more rows run the product ``Q^T M`` itself, whose output has ``m`` as its minor axis. (Its
+  transposed form ``M^T Q``, ``rows``' leading axis contracted into an ``(m, r)`` output,
+  once ran at about 1.2 GB/s on XLA's CPU backend, which is why row counts that are
+  multiples of 256 were summed over blocks of 256 rows until session 20; on jax 0.10.2 the
+  product is faster than those blocks: 4096 x 4096, ``r = 4``, 4.3 -> 3.2 ms of CPU, and
+  bit for bit the plain product every other ``n`` ran.)
   """
-  n, m = rows.shape[-2:]
-  if n <= RANK_ONE_ROWS:
+  if rows.shape[-2] <= RANK_ONE_ROWS:
     return rank_one_sum(rows, q)
-  if n < 2 * PROJECT_BLOCK or n % PROJECT_BLOCK:
-    return jnp.swapaxes(jnp.einsum("...ko,...kr->...or", rows, q, precision=PRECISION), -1, -2)
-  batch = rows.shape[:-2]
-  blocks = (n // PROJECT_BLOCK, PROJECT_BLOCK)
-  partial = jnp.einsum("...bkr,...bko->...bro", q.reshape(batch + blocks + q.shape[-1:]),
-                       rows.reshape(batch + blocks + (m,)), precision=PRECISION)
-  return jnp.sum(partial, axis=-3)
+  return jnp.einsum("...kr,...ko->...ro", q, rows, precision=PRECISION)
 
 
 def rank_one_sum(rows: jax.Array, q: jax.Array) -> jax.Array:
