@@ -76,6 +76,7 @@ def as_rows(x: jax.Array) -> jax.Array:
   """
   return x.reshape(-1, x.shape[-1])
 
+
 # Every product here is float32 at full precision. On GPUs jax's default float32 product is
 # TF32 (an 11-bit significand, about 1e-3 relative error): on an H200 it broke the projection
 # tests at 1e-4 (session 15). The products are r wide and bound by reading M, so this costs
