@@ -66,7 +66,7 @@ def _packed(mask: np.ndarray) -> np.ndarray:
 def test_words_at_least_packs_like_bit_words_with_nan_passing():
   rng = np.random.default_rng(3)
   values = np.abs(rng.standard_normal((2, 1000))).astype(np.float32)
-  values[0, 5] = np.nan
+  values[0, 5], values[0, 6], values[1, 7] = np.nan, np.inf, np.inf
   values[1, -40:] = 9.0  # passing up to the end: 1000 = 31 * 32 + 8, the last word padded
   threshold = np.array([1.0, 0.5], np.float32)
   words = jax.jit(words_at_least)(jnp.asarray(values), jnp.asarray(threshold))
