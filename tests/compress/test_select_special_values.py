@@ -57,11 +57,19 @@ def test_kth_largest_bits_counts_nan_patterns_as_the_largest(size, k):
   assert int(jax.jit(kth_largest_bits, static_argnums=1)(jnp.asarray(bits), k)) == np.sort(bits)[-k]
 
 
+def _packed(mask: np.ndarray) -> np.ndarray:
+  """numpy's packing of bool rows: element ``32 w + b`` in bit ``b`` of uint32 word ``w``."""
+  padded = np.pad(mask, ((0, 0), (0, (-mask.shape[1]) % 32)))
+  return np.packbits(padded, axis=1, bitorder="little").view("<u4")
+
+
 def test_words_at_least_packs_like_bit_words_with_nan_passing():
   rng = np.random.default_rng(3)
   values = np.abs(rng.standard_normal((2, 1000))).astype(np.float32)
-  values[0, 5] = np.nan
+  values[0, 5], values[0, 6], values[1, 7] = np.nan, np.inf, np.inf
+  values[1, -40:] = 9.0  # passing up to the end: 1000 = 31 * 32 + 8, the last word padded
   threshold = np.array([1.0, 0.5], np.float32)
   words = jax.jit(words_at_least)(jnp.asarray(values), jnp.asarray(threshold))
   passing = (values >= threshold[:, None]) | np.isnan(values)
+  np.testing.assert_array_equal(words, _packed(passing))
   np.testing.assert_array_equal(words, jax.vmap(bit_words)(jnp.asarray(passing)))
