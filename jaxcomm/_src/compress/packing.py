@@ -167,6 +167,9 @@ def materialized(values: jax.Array) -> jax.Array:
   an elementwise producer into each consumer, recomputing it for every element that reads
   it (a code for every byte it overlaps, a group's word for each of its 8 codes), and the
   fused loop is not vectorized; it does not fuse a reduction into its consumer, so the values
-  are OR-ed with zeros over a pair."""
-  pair = jnp.stack([values, jnp.zeros_like(values)], axis=1)
-  return jax.lax.reduce(pair, jnp.zeros((), values.dtype), jax.lax.bitwise_or, (1,))
+  are reduced over a pair with a neutral second row, bit for bit: integers OR-ed with zeros,
+  floats the ``max`` with ``-inf`` (NaNs and signed zeros kept)."""
+  neutral = -jnp.inf if jnp.issubdtype(values.dtype, jnp.floating) else 0
+  combine = jax.lax.max if jnp.issubdtype(values.dtype, jnp.floating) else jax.lax.bitwise_or
+  pair = jnp.stack([values, jnp.full_like(values, neutral)], axis=1)
+  return jax.lax.reduce(pair, jnp.asarray(neutral, values.dtype), combine, (1,))
