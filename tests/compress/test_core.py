@@ -184,6 +184,29 @@ def test_sign_decode_sum_equals_the_tree_of_dense_decodes_bit_for_bit(devices, c
                                 np.asarray(sum_stacked(dense)).view(np.uint32))
 
 
+@pytest.mark.parametrize("devices", [2, 3])
+@pytest.mark.parametrize("name", ["qsgd_buckets", "terngrad", "int4_chunked"])
+def test_decode_and_sum_equals_the_batched_decodes_bit_for_bit(devices, name):
+  """Decoded one payload at a time, the gathered payloads sum to the bits of the batched
+  decode (``vmap``) summed by ``sum_stacked``, with a partial last chunk and, for QSGD, the
+  norms reaching the decode through a bitcast of bytes, as a gather delivers them."""
+  compressor = {"qsgd_buckets": jaxcomm.compress.qsgd(16), "terngrad": jaxcomm.compress.terngrad(),
+                "int4_chunked": jaxcomm.quantize(4, chunk=64)}[name]
+  size = 1300
+  x = jax.random.normal(jax.random.PRNGKey(devices), (devices, size)).at[:, :40].set(0.0)
+  keys = jax.random.split(jax.random.PRNGKey(5), devices)
+  payloads = jax.vmap(lambda row, key: compressor.encode(row, (), key)[0])(x, keys)
+  as_bytes = jax.tree.map(lambda leaf: jax.lax.bitcast_convert_type(leaf, jnp.uint8)
+                          if leaf.dtype == jnp.float32 else leaf, payloads)
+  from_bytes = lambda p: jax.tree.map(  # noqa: E731
+      lambda leaf: jax.lax.bitcast_convert_type(leaf, jnp.float32) if leaf.ndim == 3 else leaf, p)
+  batched = jax.jit(lambda p: sum_stacked(jax.vmap(
+      lambda payload: compressor.decode(payload, (size,)))(from_bytes(p))))(as_bytes)
+  total = jax.jit(lambda p: decode_and_sum(compressor, from_bytes(p), (size,)))(as_bytes)
+  np.testing.assert_array_equal(np.asarray(total).view(np.uint32),
+                                np.asarray(batched).view(np.uint32))
+
+
 def _with_special_values(size: int, seed: int) -> jax.Array:
   x = jax.random.normal(jax.random.PRNGKey(seed), (size,))
   return x.at[:6].set(jnp.array([-0.0, 0.0, jnp.inf, -jnp.inf, jnp.nan, 3e38]))

@@ -423,3 +423,16 @@ def test_l2_norms_on_accelerators_is_one_reduction_without_a_loop(platform):
   for function, argument in ((encode, flat), (decode, payload)):
     lowered = jax.export.export(function, platforms=[platform])(argument).mlir_module()
     assert "stablehlo.while" not in lowered
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.uint8, jnp.uint32])
+def test_materialized_keeps_every_bit(dtype):
+  """``packing.materialized`` returns its input bit for bit: NaN, infinities, signed zeros
+  and subnormals for floats (``max`` with ``-inf``), any integer (OR with zero)."""
+  if dtype == jnp.float32:
+    values = jnp.array([jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, -0.0, 0.0, 1e-45, -3.5, 7.0])
+  else:
+    values = jnp.array([0, 1, 127, 128, 255], dtype)
+  out = jax.jit(packing.materialized)(values)
+  assert out.dtype == values.dtype
+  np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(values).view(np.uint8))

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxcomm._src.validation import check_int_range
 
@@ -167,6 +168,13 @@ def materialized(values: jax.Array) -> jax.Array:
   an elementwise producer into each consumer, recomputing it for every element that reads
   it (a code for every byte it overlaps, a group's word for each of its 8 codes), and the
   fused loop is not vectorized; it does not fuse a reduction into its consumer, so the values
-  are OR-ed with zeros over a pair."""
-  pair = jnp.stack([values, jnp.zeros_like(values)], axis=1)
-  return jax.lax.reduce(pair, jnp.zeros((), values.dtype), jax.lax.bitwise_or, (1,))
+  are reduced over a pair with a neutral second row, bit for bit: integers OR-ed with zeros;
+  floats paired with ``-inf`` by a reducer that keeps the other operand (NaNs and signed
+  zeros kept; as ``max``, XLA handed the reduction and its consumers to one YNNPACK fusion,
+  QSGD's decode at 16M 20 -> 128 ms of CPU)."""
+  if not jnp.issubdtype(values.dtype, jnp.floating):
+    pair = jnp.stack([values, jnp.zeros_like(values)], axis=1)
+    return jax.lax.reduce(pair, jnp.zeros((), values.dtype), jax.lax.bitwise_or, (1,))
+  neutral = np.asarray(-np.inf, values.dtype)
+  pair = jnp.stack([values, jnp.full_like(values, neutral)], axis=1)
+  return jax.lax.reduce(pair, neutral, lambda a, b: jax.lax.select(a == neutral, b, a), (1,))
