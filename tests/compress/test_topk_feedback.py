@@ -67,10 +67,17 @@ def test_error_feedback_state_is_the_dense_references(size, specials, setting, b
 
   (payload, state), (reference_payload, reference_state) = step(compressor), step(
       _dense(compressor))
-  for leaf, reference in zip(jax.tree.leaves((payload, state)),
-                             jax.tree.leaves((reference_payload, reference_state))):
+  for leaf, reference in zip(jax.tree.leaves(payload), jax.tree.leaves(reference_payload)):
     np.testing.assert_array_equal(np.asarray(leaf).view(np.uint8),
                                   np.asarray(reference).view(np.uint8))
+  if bound is not None and jax.default_backend() != "cpu":
+    # The bound's norm of the residual is a reduction that a GPU fuses with the scatter or
+    # the dense subtraction differently: the scale, so each kept entry, 1 ulp apart (an
+    # H200, session 20). Bit for bit on XLA's CPU backend.
+    np.testing.assert_allclose(state.residual, reference_state.residual, rtol=1e-6, atol=0)
+    return
+  np.testing.assert_array_equal(np.asarray(state.residual).view(np.uint8),
+                                np.asarray(reference_state.residual).view(np.uint8))
 
 
 def test_approximate_selection_keeps_the_dense_check():
