@@ -428,7 +428,8 @@ def test_l2_norms_on_accelerators_is_one_reduction_without_a_loop(platform):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.uint8, jnp.uint32])
 def test_materialized_keeps_every_bit(dtype):
   """``packing.materialized`` returns its input bit for bit: NaN, infinities, signed zeros
-  and subnormals for floats (``max`` with ``-inf``), any integer (OR with zero)."""
+  and subnormals for floats (paired with ``-inf``, the other operand kept), any integer
+  (OR with zero)."""
   if dtype == jnp.float32:
     values = jnp.array([jnp.nan, -jnp.nan, jnp.inf, -jnp.inf, -0.0, 0.0, 1e-45, -3.5, 7.0])
   else:

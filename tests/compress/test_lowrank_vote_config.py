@@ -69,12 +69,12 @@ def test_orthogonalize_propagates_non_finite_entries(value, position):
 @settings(max_examples=12, deadline=None)
 @given(blocks=st.integers(2, 5), extra=st.sampled_from([0, 0, 37]), m=st.integers(1, 70),
        rank=st.integers(1, 4), batch=st.sampled_from([(), (2,)]), seed=st.integers(0, 2**16))
-def test_blocked_projection_equals_the_plain_product(blocks, extra, m, rank, batch, seed):
+def test_projection_of_many_rows_equals_the_float64_product(blocks, extra, m, rank, batch, seed):
   """``project_rows`` at ``n`` multiples of 256 (summed over blocks of 256 rows until session
   20) and others, against float64, and against the plain float32 product up to rounding."""
   from jaxcomm._src.compress.powersgd import project_rows
   n = blocks * 256 + extra
-  # Normal inputs from numpy, and the blocked and the plain product in one compilation: each
+  # Normal inputs from numpy, and the projection and the plain product in one compilation: each
   # example's new shapes cost one compilation instead of four (two of jax.random.normal).
   rng = np.random.default_rng(seed)
   rows = rng.standard_normal(batch + (n, m)).astype(np.float32)

@@ -32,27 +32,3 @@ def test_rank_one_sum_is_the_product(shape, rank):
     plain = jax.jit(lambda rows, q: jnp.einsum("...ko,...kr->...or", rows, q))(rows, q)
     np.testing.assert_array_equal(got, plain)
 
-
-def former_blocked_projection(rows, q, block=256):
-  """Session 19's ``project_rows_t`` for ``n`` a multiple of ``block`` (two blocks or more):
-  each block's ``Q^T`` times rows, then the blocks' products summed."""
-  batch, (n, m) = rows.shape[:-2], rows.shape[-2:]
-  blocks = (n // block, block)
-  partial = jnp.einsum("...bkr,...bko->...bro", q.reshape(batch + blocks + q.shape[-1:]),
-                       rows.reshape(batch + blocks + (m,)), precision="highest")
-  return jnp.sum(partial, axis=-3)
-
-
-@pytest.mark.parametrize("shape", [(1024, 96), (2, 512, 40)])
-def test_projection_of_many_rows_is_the_former_blocked_sum_up_to_rounding(shape):
-  """Above ``RANK_ONE_ROWS`` the projection is one product: equal to the blocked sums it
-  replaced (another order of the same sums) and to float64 up to rounding."""
-  keys = jax.random.split(jax.random.PRNGKey(2))
-  rows = jax.random.normal(keys[0], shape)
-  q = jax.random.normal(keys[1], shape[:-1] + (4,))
-  got, former = (np.asarray(x) for x in jax.jit(
-      lambda rows, q: (project_rows_t(rows, q), former_blocked_projection(rows, q)))(rows, q))
-  expected = np.einsum("...kr,...ko->...ro", np.asarray(q, np.float64),
-                       np.asarray(rows, np.float64))
-  np.testing.assert_allclose(got, former, rtol=1e-5, atol=1e-4)
-  np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-4)
