@@ -36,8 +36,8 @@ import numpy as np
 
 from jaxcomm._src.accounting import NO_COST, Cost, ring_cost
 from jaxcomm._src.compress.base import (AxisContext, Compressor, Shape, combining,
-                                        decode_and_sum, psum_payload, replicated_fields,
-                                        subtract_decoded)
+                                        decode_and_sum, decode_each, psum_payload,
+                                        replicated_fields, subtract_decoded)
 from jaxcomm._src.compress.error_feedback import error_feedback
 from jaxcomm._src.nonfinite import has_nonfinite, keep_if
 
@@ -676,8 +676,7 @@ def _server_encode(compressor, state, worker: _WorkerChunks, received):
 def _two_phase_result(shard, compressor, state, worker: _WorkerChunks, server, gathered):
   """``(total, new state)`` of one shard from the gathered re-encoded chunks."""
   chunk = worker.chunks.shape[1:]
-  total = jax.vmap(lambda payload: compressor.decode(payload, chunk))(gathered)
-  total = total.reshape(-1)[:shard.shape[0]]
+  total = decode_each(compressor, gathered, chunk).reshape(-1)[:shard.shape[0]]
   if state is None:
     return total, None
   owned, server_payload = server

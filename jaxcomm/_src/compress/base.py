@@ -226,12 +226,6 @@ def decode_and_sum(compressor: Compressor, payloads: Payload, shape: Shape) -> j
   ``(n, *shape)`` results summed by :func:`sum_stacked`. Every sum of gathered payloads in
   the library goes through here.
 
-  The payloads are decoded one by one, not in one ``vmap`` over the leading axis: in the
-  batched form XLA's CPU backend fused the ``n`` decodes and their sum into a loop that it
-  did not vectorize where a decode broadcasts a value per chunk or unpacks sub-byte codes
-  (two hosts, 32,768 elements: TernGrad's 2-bit codes 39 -> 15 us, QSGD's buckets 55 -> 27
-  us with its norms in memory); the rows are the same, bit for bit.
-
   Args:
     compressor: the compressor that encoded the payloads.
     payloads: a payload pytree whose leaves have a leading axis of size ``n >= 1``.
@@ -242,10 +236,21 @@ def decode_and_sum(compressor: Compressor, payloads: Payload, shape: Shape) -> j
   """
   if compressor.decode_sum is not None:
     return compressor.decode_sum(payloads, shape)
+  return sum_stacked(decode_each(compressor, payloads, shape))
+
+
+def decode_each(compressor: Compressor, payloads: Payload, shape: Shape) -> jax.Array:
+  """The decodings of ``payloads`` stacked on a leading axis: float32 ``(n, *shape)``.
+
+  The payloads are decoded one by one, not in one ``vmap`` over the leading axis: in the
+  batched form XLA's CPU backend fused the ``n`` decodes and their consumer into a loop that
+  it did not vectorize where a decode broadcasts a value per chunk or unpacks sub-byte codes
+  (two hosts, 32,768 elements, decoded and summed: TernGrad's 2-bit codes 39 -> 15 us,
+  QSGD's buckets 55 -> 27 us with its norms in memory); the rows are the same, bit for bit.
+  """
   count = jax.tree.leaves(payloads)[0].shape[0]
-  rows = [compressor.decode(jax.tree.map(lambda leaf, i=i: leaf[i], payloads), shape)
-          for i in range(count)]
-  return sum_stacked(jnp.stack(rows))
+  return jnp.stack([compressor.decode(jax.tree.map(lambda leaf, i=i: leaf[i], payloads), shape)
+                    for i in range(count)])
 
 
 def subtract_decoded(compressor: Compressor, x: jax.Array, payload: Payload) -> jax.Array:
